@@ -1,0 +1,37 @@
+# Two commands on a fresh clone: `make serve` and `make test`. Both create a virtualenv in .venv (override
+# with `make VENV=/path/to/venv ...`; `make VENV=$VIRTUAL_ENV ...` installs into the active one) and
+# install zserve with every dependency from pyproject.toml.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zserve-installed
+
+.PHONY: install serve test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/zserve up -c supervisor.toml
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: install lint
+	$(PY) -m pytest -q -ra
+
+# The slow soak/scale tests in full (CI runs their short versions).
+test-all: install
+	ZSERVE_SLOW=1 $(PY) -m pytest -q -ra
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

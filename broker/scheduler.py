@@ -1,0 +1,113 @@
+"""The dynamic-batching scheduler. Pure: no sockets and no clock of its own (``now`` is passed in, in
+seconds), so tests drive it with a fake clock and ``zserve.Streamer`` can reuse it in-process.
+
+Policy, per model: a bounded FIFO queue. A batch goes to a worker that has credit when
+  * the queue holds ``max_batch_size`` items (full by count), or
+  * the oldest item has waited ``max_wait_ms``, or
+  * the worker is idle (nothing in flight): an idle worker never leaves a request waiting, so at low load
+    the added latency is the hops, not the batching window; under load the queue fills while workers
+    are busy and batches grow by themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from zserve.broker.workers import Worker, WorkerPool
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    max_batch_size: int
+    max_wait_ms: float
+    max_queue: int
+
+
+class Admission(enum.Enum):
+    ACCEPTED = "accepted"
+    OVERLOADED = "overloaded"
+    UNKNOWN_MODEL = "unknown_model"
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """A batch the scheduler formed: send ``item_ids`` of ``model`` to ``worker`` as ``batch_id``."""
+
+    batch_id: int
+    model: str
+    worker: Worker
+    item_ids: list[int]
+    queued_s: list[float]  # each item's time of arrival in the queue
+
+
+class Scheduler:
+    def __init__(self, policies: dict[str, BatchPolicy], pool: WorkerPool) -> None:
+        self.policies = policies
+        self.pool = pool
+        # item id -> time it entered the queue; insertion order is FIFO order.
+        self._queues: dict[str, OrderedDict[int, float]] = {m: OrderedDict() for m in policies}
+        self._next_batch_id = 1
+
+    def submit(self, model: str, item_id: int, now: float) -> Admission:
+        queue = self._queues.get(model)
+        if queue is None:
+            return Admission.UNKNOWN_MODEL
+        if len(queue) >= self.policies[model].max_queue:
+            return Admission.OVERLOADED
+        queue[item_id] = now
+        return Admission.ACCEPTED
+
+    def requeue(self, model: str, item_id: int, queued_s: float) -> None:
+        """Put an item back at the head of its queue (its batch was lost). Ignores ``max_queue``: the
+        item was admitted once and must get an answer."""
+        queue = self._queues[model]
+        queue[item_id] = queued_s
+        queue.move_to_end(item_id, last=False)
+
+    def remove(self, model: str, item_id: int) -> bool:
+        """Drop a queued item (cancelled or expired); False if it is not queued."""
+        queue = self._queues.get(model)
+        return queue is not None and queue.pop(item_id, None) is not None
+
+    def depth(self, model: str) -> int:
+        return len(self._queues[model])
+
+    def pop_batches(self, now: float) -> list[Dispatch]:
+        """Every batch that should leave now, with the worker each goes to (credit already taken)."""
+        out: list[Dispatch] = []
+        for model, queue in self._queues.items():
+            policy = self.policies[model]
+            while queue:
+                worker = self.pool.best(model)
+                if worker is None:
+                    break
+                oldest_s = next(iter(queue.values()))
+                ready = (
+                    len(queue) >= policy.max_batch_size
+                    or (now - oldest_s) * 1000.0 >= policy.max_wait_ms
+                    or not worker.in_flight
+                )
+                if not ready:
+                    break
+                n = min(policy.max_batch_size, len(queue))
+                items = [queue.popitem(last=False) for _ in range(n)]
+                batch_id = self._next_batch_id
+                self._next_batch_id += 1
+                ids = [item_id for item_id, _ in items]
+                self.pool.start(worker, batch_id, model, ids, now)
+                out.append(Dispatch(batch_id, model, worker, ids, [t for _, t in items]))
+        return out
+
+    def next_wakeup_s(self, now: float) -> float | None:
+        """Seconds until a batching window closes for a model that has a worker with credit; None if no
+        such deadline is pending (only new arrivals or results can make a batch ready)."""
+        best: float | None = None
+        for model, queue in self._queues.items():
+            if not queue or self.pool.best(model) is None:
+                continue
+            oldest_s = next(iter(queue.values()))
+            wait = max(0.0, oldest_s + self.policies[model].max_wait_ms / 1000.0 - now)
+            best = wait if best is None else min(best, wait)
+        return best

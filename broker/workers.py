@@ -1,0 +1,113 @@
+"""The worker pool: who is registered, their credits, liveness and in-flight batches. Pure: no sockets,
+no clock of its own (``now`` is passed in, in seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class InFlightBatch:
+    batch_id: int
+    model: str
+    item_ids: list[int]
+    worker_id: bytes
+    sent_s: float
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: bytes  # its DEALER identity, used to address batches to it
+    name: str
+    pid: int
+    role: str
+    models: tuple[str, ...]
+    credits: int
+    last_seen_s: float
+    last_dispatch_s: float = 0.0
+    busy: bool = False  # from its last heartbeat: inside predict right now
+    in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
+
+    @property
+    def free_credits(self) -> int:
+        return self.credits - len(self.in_flight)
+
+
+class WorkerPool:
+    def __init__(self, liveness_s: float) -> None:
+        self.liveness_s = liveness_s  # silence after which a worker is declared lost
+        self.workers: dict[bytes, Worker] = {}
+        self._batches: dict[int, InFlightBatch] = {}
+
+    def register(
+        self, worker_id: bytes, *, name: str, pid: int, role: str, models: list[str], credits: int, now: float
+    ) -> list[InFlightBatch]:
+        """Add (or re-add) a worker. A worker that says Hello again has lost whatever it held: those
+        batches are returned for re-dispatch."""
+        orphans = self.remove(worker_id)
+        self.workers[worker_id] = Worker(worker_id, name, pid, role, tuple(models), credits, now)
+        return orphans
+
+    def remove(self, worker_id: bytes) -> list[InFlightBatch]:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return []
+        for batch_id in worker.in_flight:
+            self._batches.pop(batch_id, None)
+        return list(worker.in_flight.values())
+
+    def seen(self, worker_id: bytes, now: float, busy: bool | None = None) -> bool:
+        """Note a sign of life; False if the worker is unknown (it must say Hello again)."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.last_seen_s = now
+        if busy is not None:
+            worker.busy = busy
+        return True
+
+    def best(self, model: str) -> Worker | None:
+        """The worker to give the next batch of ``model``: has credit, holds the fewest batches, and was
+        used least recently (spreads load over engines)."""
+        chosen = None
+        for worker in self.workers.values():
+            if model not in worker.models or worker.free_credits <= 0:
+                continue
+            if chosen is None or (len(worker.in_flight), worker.last_dispatch_s) < (
+                len(chosen.in_flight),
+                chosen.last_dispatch_s,
+            ):
+                chosen = worker
+        return chosen
+
+    def start(self, worker: Worker, batch_id: int, model: str, item_ids: list[int], now: float) -> InFlightBatch:
+        if worker.free_credits <= 0:
+            raise RuntimeError(f"worker {worker.name} has no credit")
+        batch = InFlightBatch(batch_id, model, item_ids, worker.worker_id, now)
+        worker.in_flight[batch_id] = batch
+        worker.last_dispatch_s = now
+        self._batches[batch_id] = batch
+        return batch
+
+    def finish(self, batch_id: int) -> InFlightBatch | None:
+        """The batch's result arrived: return its credit. None for an unknown (late, duplicate) batch."""
+        batch = self._batches.pop(batch_id, None)
+        if batch is not None:
+            worker = self.workers.get(batch.worker_id)
+            if worker is not None:
+                worker.in_flight.pop(batch_id, None)
+        return batch
+
+    def expire(self, now: float) -> list[tuple[Worker, list[InFlightBatch]]]:
+        """Remove workers silent for longer than ``liveness_s``; return them with the batches they held."""
+        lost = [w for w in self.workers.values() if now - w.last_seen_s > self.liveness_s]
+        return [(w, self.remove(w.worker_id)) for w in lost]
+
+    def ready_count(self, model: str) -> int:
+        return sum(1 for w in self.workers.values() if model in w.models)
+
+    def busy_count(self, model: str) -> int:
+        return sum(1 for w in self.workers.values() if model in w.models and w.in_flight)
+
+    def in_flight_items(self, model: str) -> int:
+        return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)

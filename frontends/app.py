@@ -1,0 +1,55 @@
+"""The falcon ASGI app of one frontend worker.
+
+gunicorn runs ``zserve.frontends.app:create_app()`` in each worker process (never ``--preload``): every
+worker builds its own AsyncClient, whose DEALER socket is created lazily inside the worker's event loop.
+The supervisor passes the settings in the environment (ZSERVE_FRONTEND, JSON of FrontendSettings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from zserve.client import AsyncClient
+from zserve.config import FrontendSettings
+from zserve.frontends.resources import (
+    Health,
+    LiveResource,
+    MetricsResource,
+    ModelsResource,
+    PredictResource,
+    ReadyResource,
+    error_serializer,
+)
+from zserve.logs import setup_logging
+from zserve.model import load_handler
+
+log = logging.getLogger("zserve.frontend")
+
+
+def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
+    if settings is None:
+        raw = os.environ.get("ZSERVE_FRONTEND")
+        if not raw:
+            raise RuntimeError("ZSERVE_FRONTEND is not set: start frontends with `zserve up`")
+        settings = msgspec.json.decode(raw, type=FrontendSettings)
+        setup_logging(f"frontend-{os.environ.get('ZSERVE_FRONTEND_INDEX', os.getpid())}", always_name=True)
+    # Constructors only: the request/response hooks need no weights (setup runs in engines).
+    handlers = {m.name: load_handler(m.handler, m.options) for m in settings.models}
+    client = AsyncClient(settings.client_endpoint)
+    health = Health(client)
+
+    app = falcon.asgi.App(cors_enable=False)
+    app.req_options.auto_parse_form_urlencoded = False
+    app.set_error_serializer(error_serializer)
+    app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
+    app.add_route("/v1/models", ModelsResource(handlers))
+    app.add_route("/healthz", LiveResource())
+    app.add_route("/readyz", ReadyResource(health, list(handlers)))
+    app.add_route("/metrics", MetricsResource(health))
+    log.info("frontend worker up (pid %d), models: %s", os.getpid(), ", ".join(handlers))
+    return app

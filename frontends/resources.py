@@ -1,0 +1,171 @@
+"""The REST resources. Every error body is ``{"error": {"type", "message", "field"?}}``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from zserve import payload
+from zserve.client import AsyncClient
+from zserve.errors import BadRequest, ZserveError
+from zserve.frontends import metrics
+from zserve.model import Model
+from zserve.protocol import HealthReport
+
+log = logging.getLogger("zserve.frontend")
+
+_json = msgspec.json.Encoder(enc_hook=payload.to_jsonable)
+READY_CACHE_S = 0.5
+
+
+def error_body(type_name: str, message: str, field: str = "") -> bytes:
+    error: dict[str, str] = {"type": type_name, "message": message}
+    if field:
+        error["field"] = field
+    return _json.encode({"error": error})
+
+
+def set_error(resp: falcon.asgi.Response, http_status: int, type_name: str, message: str, field: str = "") -> None:
+    resp.status = http_status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = error_body(type_name, message, field)
+    if http_status == 503:
+        resp.set_header("Retry-After", "1")
+
+
+class Health:
+    """Broker health, fetched at most every READY_CACHE_S per worker."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self._report: HealthReport | None = None
+        self._at = 0.0
+
+    async def report(self) -> HealthReport | None:
+        now = time.monotonic()
+        if self._report is None or now - self._at > READY_CACHE_S:
+            try:
+                self._report = await self.client.health(timeout_s=1.0)
+            except ZserveError:
+                self._report = None
+            self._at = now
+        return self._report
+
+
+class PredictResource:
+    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+        self.client = client
+        self.handlers = handlers
+        self.max_body_bytes = max_body_bytes
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str) -> None:
+        started = time.perf_counter()
+        handler = self.handlers.get(name)
+        if handler is None:
+            return set_error(resp, 404, "unknown_model", f"no model named {name!r}; see GET /v1/models")
+        code = await self._predict(req, resp, name, handler)
+        metrics.REQUESTS.labels(name, str(code)).inc()
+        metrics.LATENCY.labels(name).observe(time.perf_counter() - started)
+
+    async def _predict(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model) -> int:
+        if req.content_length is not None and req.content_length > self.max_body_bytes:
+            set_error(resp, 413, "payload_too_large", f"body of {req.content_length} bytes is over {self.max_body_bytes}")
+            return 413
+        raw = await req.stream.read(self.max_body_bytes + 1)
+        if len(raw) > self.max_body_bytes:
+            set_error(resp, 413, "payload_too_large", f"body is over {self.max_body_bytes} bytes")
+            return 413
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            set_error(resp, 400, "bad_request", f"body is not valid JSON: {exc}", "body")
+            return 400
+        try:
+            item = handler.decode_request(body)
+        except BadRequest as exc:
+            set_error(resp, 400, exc.type_name, exc.message, exc.field)
+            return 400
+        except Exception as exc:
+            set_error(resp, 400, "bad_request", f"decode_request rejected the body: {type(exc).__name__}: {exc}")
+            return 400
+        try:
+            answer = await self.client.infer(name, item, decoded=True)
+        except ZserveError as exc:
+            set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
+            return exc.http_status
+        try:
+            resp.data = _json.encode(handler.encode_response(answer.value))
+        except Exception as exc:
+            log.exception("encode_response failed for model %s", name)
+            set_error(resp, 500, "model_error", f"encode_response raised {type(exc).__name__}: {exc}")
+            return 500
+        resp.content_type = falcon.MEDIA_JSON
+        resp.set_header("X-Zserve-Batch-Size", str(answer.batch_size))
+        resp.set_header("X-Zserve-Queue-Ms", f"{answer.queue_ms:.3f}")
+        metrics.BATCH_SIZE.labels(name).observe(answer.batch_size)
+        metrics.QUEUE_WAIT.labels(name).observe(answer.queue_ms / 1000.0)
+        return 200
+
+
+class ModelsResource:
+    def __init__(self, handlers: dict[str, Model]) -> None:
+        self.handlers = handlers
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        data = [
+            {"id": name, "object": "model", "owned_by": "zserve", "handler": type(h).__module__ + ":" + type(h).__name__}
+            for name, h in self.handlers.items()
+        ]
+        resp.data = _json.encode({"object": "list", "data": data})
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class LiveResource:
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.media = {"status": "ok"}
+
+
+class ReadyResource:
+    """200 when the broker answers and every model has at least one ready engine; 503 otherwise."""
+
+    def __init__(self, health: Health, models: list[str]) -> None:
+        self.health = health
+        self.models = models
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        report = await self.health.report()
+        if report is None:
+            return set_error(resp, 503, "not_ready", "the broker does not answer")
+        if report.draining:
+            return set_error(resp, 503, "not_ready", "the server is shutting down")
+        ready = {m.name: m.ready_workers for m in report.models}
+        waiting = [name for name in self.models if ready.get(name, 0) < 1]
+        if waiting:
+            return set_error(resp, 503, "not_ready", f"no ready engine for: {', '.join(waiting)}")
+        resp.media = {"status": "ready", "engines": ready}
+
+
+class MetricsResource:
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        report = await self.health.report()
+        if report is not None:
+            for m in report.models:
+                metrics.QUEUE_DEPTH.labels(m.name).set(m.queue_depth)
+                metrics.READY_ENGINES.labels(m.name).set(m.ready_workers)
+        resp.data = metrics.render()
+        resp.content_type = metrics.CONTENT_TYPE
+
+
+def error_serializer(req: Any, resp: Any, exc: falcon.HTTPError) -> None:
+    """falcon's own errors (unknown route, wrong method) in our error shape."""
+    resp.content_type = falcon.MEDIA_JSON
+    type_name = (exc.title or "error").lower().replace(" ", "_")
+    resp.data = error_body(type_name, exc.description or exc.title or "error")

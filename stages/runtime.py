@@ -1,0 +1,139 @@
+"""The worker shell shared by every worker role (engines now, preprocess stages later): registration with
+the broker, heartbeats both ways, re-registration after a broker restart, and clean exit on SIGTERM or
+Shutdown.
+
+Sockets and threads (one owner per socket):
+  * the compute thread owns the DEALER (Hello out; Batch, Heartbeat, Reset, Shutdown in) and a PUSH for
+    results, so a batch goes socket -> compute -> socket with no thread hop;
+  * a heartbeat thread owns its own PUSH and keeps saying "alive" while a long batch runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from zserve.protocol import Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
+from zserve.transport import make_socket
+
+log = logging.getLogger("zserve.worker")
+
+BatchHandler = Callable[[Batch, list[Any]], tuple[BatchResult, list[Any]]]
+
+
+class WorkerLink:
+    """A worker's connection to the broker. ``serve(handle)`` runs until SIGTERM or Shutdown."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        role: str,
+        models: list[str],
+        credits: int,
+        work_endpoint: str,
+        out_endpoint: str,
+        heartbeat_interval_ms: int,
+        heartbeat_liveness: int,
+    ) -> None:
+        self.name = name
+        self.worker_id = f"{name}:{os.getpid()}"
+        self.role = role
+        self.models = models
+        self.credits = credits
+        self.work_endpoint = work_endpoint
+        self.out_endpoint = out_endpoint
+        self.interval_s = heartbeat_interval_ms / 1000.0
+        self.liveness_s = self.interval_s * heartbeat_liveness
+        self.stop = threading.Event()
+        self.busy = False
+        self.registered = threading.Event()
+        self.ctx = zmq.Context()
+        self.codec = Codec()
+        self.dealer: zmq.Socket | None = None
+        self.push = make_socket(self.ctx, zmq.PUSH, out_endpoint, bind=False, linger_ms=2000)
+
+    def install_signal_handlers(self) -> None:
+        def on_term(signum: int, _frame: Any) -> None:
+            log.info("%s received signal %d: finishing the current batch, then exiting", self.name, signum)
+            self.stop.set()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+
+    def _connect(self) -> None:
+        if self.dealer is not None:
+            self.dealer.close(linger=0)  # drops Hellos queued for a broker that is gone
+        self.dealer = make_socket(
+            self.ctx, zmq.DEALER, self.work_endpoint, bind=False, identity=self.worker_id.encode()
+        )
+
+    def _hello(self) -> None:
+        self.registered.clear()
+        hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits)
+        self.dealer.send(self.codec.encode(hello))
+
+    def _heartbeats(self) -> None:
+        codec = Codec()
+        push = make_socket(self.ctx, zmq.PUSH, self.out_endpoint, bind=False, hwm=16)
+        try:
+            while not self.stop.wait(self.interval_s):
+                if self.registered.is_set():
+                    try:
+                        push.send(codec.encode(Heartbeat(self.worker_id, self.busy)), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # broker unreachable; the compute thread notices its silence
+        finally:
+            push.close(linger=0)
+
+    def serve(self, handle: BatchHandler) -> None:
+        self._connect()
+        self._hello()
+        log.info("%s registering with the broker (%d credits)", self.worker_id, self.credits)
+        beater = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        beater.start()
+        last_broker_s = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                if not self.dealer.poll(int(self.interval_s * 1000)):
+                    if time.monotonic() - last_broker_s > self.liveness_s:
+                        log.warning(
+                            "%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s
+                        )
+                        self._connect()
+                        self._hello()
+                        last_broker_s = time.monotonic()
+                    continue
+                frames = self.dealer.recv_multipart(copy=False)
+                last_broker_s = time.monotonic()
+                msg = self.codec.decode(frames[0].buffer, "broker")
+                if isinstance(msg, Batch):
+                    self.busy = True
+                    try:
+                        result, out = handle(msg, frames[1:])
+                    finally:
+                        self.busy = False
+                    self.push.send_multipart([self.codec.encode(result), *out], copy=False)
+                elif isinstance(msg, Heartbeat):
+                    if not self.registered.is_set():
+                        self.registered.set()
+                        log.info("%s registered", self.worker_id)
+                elif isinstance(msg, Reset):
+                    log.info("%s: broker asked to register again (%s)", self.worker_id, msg.reason)
+                    self._hello()
+                elif isinstance(msg, Shutdown):
+                    log.info("%s: broker asked to shut down (%s)", self.worker_id, msg.reason)
+                    break
+        finally:
+            self.stop.set()
+            beater.join(timeout=2 * self.interval_s + 1)
+            self.dealer.close(linger=0)
+            self.push.close(linger=2000)
+            self.ctx.term()

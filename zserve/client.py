@@ -1,0 +1,379 @@
+"""Direct Python clients: straight to the broker over ZeroMQ, no HTTP.
+
+* ``Client``: thread-safe; ``predict`` blocks, ``submit`` returns a ``concurrent.futures.Future`` (many in
+  flight from one thread). One I/O thread owns the socket.
+* ``AsyncClient``: ``await predict(...)`` from asyncio; the frontends use it too.
+
+Payloads sent here are raw request bodies: the engine runs the model's ``decode_request`` and
+``encode_response`` hooks, so ``client.predict("embed", {"text": "hi"})`` answers exactly what
+``POST /v1/models/embed/predict`` would. Errors arrive as the typed exceptions of ``zserve.errors``.
+
+While requests are pending, a client pings the broker; if the broker stops answering, or restarts (its
+epoch changes), every pending request fails with ``BrokerUnavailable``/``EngineLost`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zserve import payload
+from zserve.config import endpoints_for, load_config, run_dir_for
+from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ZserveError, error_for
+from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Status, Submit
+from zserve.transport import make_socket
+
+PING_INTERVAL_S = 1.0
+BROKER_SILENCE_S = 5.0  # pending requests fail after this long without a word from the broker
+_DEADLINE_GRACE_S = 1.0  # the broker answers DEADLINE_EXCEEDED itself; this only guards against its loss
+
+
+@dataclass(slots=True)
+class Answer:
+    """A successful reply with its serving metadata."""
+
+    value: Any
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+
+
+def endpoint_from_config(path: str | os.PathLike[str]) -> str:
+    """The broker's client endpoint for the deployment described by ``path`` (a supervisor.toml)."""
+    config = load_config(path)
+    return endpoints_for(config, run_dir_for(config, path)).client
+
+
+def _answer(reply: Reply, frames: list[Any]) -> Answer:
+    if reply.status != Status.OK:
+        raise error_for(Status(reply.status), reply.message, reply.field)
+    return Answer(payload.decode(frames), reply.batch_size, reply.queue_ms, reply.compute_ms)
+
+
+class _Pending:
+    """Bookkeeping shared by both clients: ids, pings, and failing everything when the broker is lost."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(random.getrandbits(20) << 32)
+        self.epoch: int | None = None
+        self.last_heard_s = time.monotonic()
+        self.last_ping_s = 0.0
+
+    def heard(self, report: HealthReport | None = None) -> bool:
+        """Note a message from the broker; True if it reveals a broker restart."""
+        self.last_heard_s = time.monotonic()
+        if report is None:
+            return False
+        restarted = self.epoch is not None and report.epoch != self.epoch
+        self.epoch = report.epoch
+        return restarted
+
+    def ping_due(self, now: float) -> bool:
+        if now - self.last_ping_s >= PING_INTERVAL_S:
+            self.last_ping_s = now
+            return True
+        return False
+
+    def silent(self, now: float) -> bool:
+        return now - self.last_heard_s > BROKER_SILENCE_S
+
+
+class Client:
+    """A thread-safe, blocking/futures client. ``Client(endpoint)`` or ``Client.from_config(path)``."""
+
+    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self._ctx = zmq.Context()
+        self._outbox: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._futures: dict[int, tuple[concurrent.futures.Future, float | None, bool]] = {}
+        self._state = _Pending()
+        self._closed = False
+        self._thread = threading.Thread(target=self._io_loop, name="zserve-client-io", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **kwargs: Any) -> Client:
+        return cls(endpoint_from_config(path), **kwargs)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- public API ----
+
+    def submit(self, model: str, body: Any, *, timeout_ms: int | None = None) -> concurrent.futures.Future:
+        """Send one request; the Future resolves to the response (or raises a ``ZserveError``)."""
+        return self._submit(model, body, timeout_ms, with_meta=False)
+
+    def predict(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Any:
+        return self.submit(model, body, timeout_ms=timeout_ms).result()
+
+    def infer(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Answer:
+        """Like ``predict``, with the batch size and queue time the request saw."""
+        return self._submit(model, body, timeout_ms, with_meta=True).result()
+
+    def health(self, timeout_s: float = 5.0) -> HealthReport:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("health", future))
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise BrokerUnavailable(f"no answer from the broker at {self.endpoint} in {timeout_s}s") from None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._post(("close",))
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- internals ----
+
+    def _submit(self, model: str, body: Any, timeout_ms: int | None, with_meta: bool) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        frames = payload.encode(body)
+        timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("submit", future, model, frames, timeout_ms or 0, with_meta))
+        return future
+
+    def _post(self, item: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._outbox.append(item)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _io_loop(self) -> None:
+        codec = Codec()
+        sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        health_waiters: dict[int, concurrent.futures.Future] = {}
+        query_ids = itertools.count(1)
+        state = self._state
+        try:
+            while True:
+                events = dict(poller.poll(int(PING_INTERVAL_S * 1000)))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    with self._lock:
+                        outbox, self._outbox = self._outbox, []
+                    for item in outbox:
+                        if item[0] == "close":
+                            return
+                        if item[0] == "health":
+                            qid = next(query_ids)
+                            health_waiters[qid] = item[1]
+                            sock.send(codec.encode(HealthQuery(qid)))
+                        else:
+                            self._send_submit(sock, codec, *item[1:])
+                if sock in events:
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        msg = codec.decode(frames[0].buffer, "broker")
+                        if isinstance(msg, Reply):
+                            state.heard()
+                            self._resolve(msg, frames[1:])
+                        elif isinstance(msg, HealthReport):
+                            if state.heard(msg):
+                                self._fail_all(EngineLost("the broker restarted; the request was lost"))
+                            waiter = health_waiters.pop(msg.query_id, None)
+                            if waiter is not None and not waiter.done():
+                                waiter.set_result(msg)
+                self._housekeeping(sock, codec)
+        finally:
+            self._fail_all(BrokerUnavailable("the client was closed"))
+            sock.close(linger=0)
+            self._ctx.term()
+
+    def _send_submit(self, sock: zmq.Socket, codec: Codec, future: Any, model: str, frames: list[Any], timeout_ms: int, with_meta: bool) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        req_id = next(self._state.ids)
+        if not self._futures:
+            self._state.last_heard_s = time.monotonic()  # silence is measured from the first pending request
+        guard = time.monotonic() + timeout_ms / 1000.0 + _DEADLINE_GRACE_S if timeout_ms else None
+        self._futures[req_id] = (future, guard, with_meta)
+        sock.send_multipart([codec.encode(Submit(req_id, model, timeout_ms, False)), *frames], copy=False)
+
+    def _resolve(self, reply: Reply, frames: list[Any]) -> None:
+        entry = self._futures.pop(reply.req_id, None)
+        if entry is None:
+            return  # answered already (local deadline), or cancelled
+        future, _, with_meta = entry
+        try:
+            answer = _answer(reply, frames)
+        except ZserveError as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(answer if with_meta else answer.value)
+
+    def _fail_all(self, exc: ZserveError) -> None:
+        futures, self._futures = self._futures, {}
+        for future, _, _ in futures.values():
+            if not future.done():
+                future.set_exception(type(exc)(exc.message))
+
+    def _housekeeping(self, sock: zmq.Socket, codec: Codec) -> None:
+        if not self._futures:
+            return
+        now = time.monotonic()
+        for req_id, (future, guard, _) in list(self._futures.items()):
+            if guard is not None and now > guard:
+                del self._futures[req_id]
+                sock.send(codec.encode(Cancel(req_id)))
+                future.set_exception(DeadlineExceeded("no answer before the deadline"))
+        if self._state.silent(now):
+            self._fail_all(BrokerUnavailable(f"the broker at {self.endpoint} stopped answering"))
+        elif self._state.ping_due(now):
+            sock.send(codec.encode(HealthQuery(0)))
+
+
+class AsyncClient:
+    """An asyncio client; create and use it inside one running event loop."""
+
+    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._codec = Codec()
+        self._state = _Pending()
+        self._futures: dict[int, asyncio.Future] = {}
+        self._health: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **kwargs: Any) -> AsyncClient:
+        return cls(endpoint_from_config(path), **kwargs)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+            self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
+        return self._sock
+
+    async def predict(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Any:
+        return (await self.infer(model, body, timeout_ms=timeout_ms, decoded=False)).value
+
+    async def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, decoded: bool = False) -> Answer:
+        """Send one request and await its Answer. ``decoded=True`` means ``body`` is already the output of
+        ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
+        the raw output. Cancelling the awaiting task cancels the request in the broker."""
+        sock = self._socket()
+        frames = payload.encode(body)
+        timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
+        req_id = next(self._state.ids)
+        future = asyncio.get_running_loop().create_future()
+        if not self._futures:
+            self._state.last_heard_s = time.monotonic()
+        self._futures[req_id] = future
+        await sock.send_multipart([self._codec.encode(Submit(req_id, model, timeout_ms or 0, decoded)), *frames])
+        try:
+            if timeout_ms:
+                reply, reply_frames = await asyncio.wait_for(future, timeout_ms / 1000.0 + _DEADLINE_GRACE_S)
+            else:
+                reply, reply_frames = await future
+        except asyncio.TimeoutError:
+            await sock.send(self._codec.encode(Cancel(req_id)))
+            raise DeadlineExceeded("no answer before the deadline") from None
+        except asyncio.CancelledError:
+            if self._sock is not None and not self._sock.closed:
+                self._sock.send(self._codec.encode(Cancel(req_id)))  # best effort; we are being cancelled
+            raise
+        finally:
+            self._futures.pop(req_id, None)
+        return _answer(reply, reply_frames)
+
+    async def health(self, timeout_s: float = 5.0) -> HealthReport:
+        sock = self._socket()
+        qid = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._health[qid] = future
+        await sock.send(self._codec.encode(HealthQuery(qid)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise BrokerUnavailable(f"no answer from the broker at {self.endpoint} in {timeout_s}s") from None
+        finally:
+            self._health.pop(qid, None)
+
+    async def _reader(self) -> None:
+        codec = Codec()
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            msg = codec.decode(frames[0].buffer, "broker")
+            if isinstance(msg, Reply):
+                self._state.heard()
+                future = self._futures.get(msg.req_id)
+                if future is not None and not future.done():
+                    future.set_result((msg, frames[1:]))
+            elif isinstance(msg, HealthReport):
+                if self._state.heard(msg):
+                    self._fail_all(EngineLost("the broker restarted; the request was lost"))
+                waiter = self._health.get(msg.query_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            if not self._futures:
+                continue
+            now = time.monotonic()
+            if self._state.silent(now):
+                self._fail_all(BrokerUnavailable(f"the broker at {self.endpoint} stopped answering"))
+            elif self._state.ping_due(now):
+                await self._sock.send(self._codec.encode(HealthQuery(0)))
+
+    def _fail_all(self, exc: ZserveError) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(type(exc)(exc.message))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(BrokerUnavailable("the client was closed"))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None

@@ -1,0 +1,192 @@
+"""supervisor.toml, decoded into typed Structs. Unknown keys and bad values are rejected by key name.
+
+Every key is documented in README.md ("Configuration reference"); keep the two in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HANDLER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# sun_path in sockaddr_un holds 108 bytes, NUL included.
+_MAX_IPC_PATH = 107
+
+
+class ConfigError(ValueError):
+    """supervisor.toml is unreadable or invalid; the message names the key."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class SupervisorConfig(_Section, kw_only=True):
+    run_dir: str = ""  # "" = a private directory derived from the config file's path (see run_dir_for)
+    max_restarts: NonNegativeInt = 5  # per process, within restart_window_s; then give up loudly
+    restart_window_s: PositiveFloat = 60.0
+    restart_backoff_s: NonNegativeFloat = 0.5  # doubles with each restart in the window, capped at 10 s
+    startup_timeout_s: PositiveFloat = 600.0
+    shutdown_timeout_s: PositiveFloat = 20.0
+
+
+class BrokerConfig(_Section, kw_only=True):
+    client_endpoint: str = ""  # "" = ipc://RUN_DIR/client.sock; may be tcp://HOST:PORT
+    work_endpoint: str = ""  # "" = ipc://RUN_DIR/work.sock; tcp:// for engines on other hosts
+    out_endpoint: str = ""  # "" = ipc://RUN_DIR/out.sock
+    heartbeat_interval_ms: PositiveInt = 250
+    heartbeat_liveness: PositiveInt = 4  # missed intervals before a worker (or the broker) is declared lost
+    max_redispatch: NonNegativeInt = 1  # re-dispatches of a lost batch before ENGINE_LOST
+    drain_timeout_s: NonNegativeFloat = 10.0
+
+
+class FrontendsConfig(_Section, kw_only=True):
+    workers: PositiveInt = 2
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
+    max_body_bytes: PositiveInt = 1 << 20
+    graceful_timeout_s: NonNegativeFloat = 10.0
+
+
+class ModelConfig(_Section, kw_only=True):
+    name: str
+    handler: str  # "module:Class", a zserve.Model subclass
+    engines: PositiveInt = 1
+    max_batch_size: PositiveInt = 32
+    max_wait_ms: NonNegativeFloat = 5.0
+    max_queue: PositiveInt = 1024
+    timeout_ms: PositiveInt = 30_000
+    credits: PositiveInt = 2  # batches an engine may hold at once (2 = one running, one staged)
+    threads: PositiveInt = 1  # torch intra-op threads per engine
+    devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
+    options: dict[str, Any] = {}  # passed to the handler's constructor
+
+    def __post_init__(self) -> None:
+        if not _MODEL_NAME.match(self.name):
+            raise ValueError(f"name {self.name!r} must match {_MODEL_NAME.pattern}")
+        if not _HANDLER.match(self.handler):
+            raise ValueError(f"handler {self.handler!r} must look like 'package.module:Class'")
+
+    def device_for(self, engine_index: int) -> str:
+        return self.devices[engine_index % len(self.devices)] if self.devices else "cpu"
+
+
+class Config(_Section, kw_only=True):
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
+    frontends: FrontendsConfig = msgspec.field(default_factory=FrontendsConfig)
+    models: list[ModelConfig] = []
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one [[models]] table is required")
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique: {', '.join(dupes)}")
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """Where the broker binds; decided once (by the supervisor) and passed to every child."""
+
+    client: str
+    work: str
+    out: str
+
+
+def _readable(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.models[0].max_batch_size`"; name the key the way the file spells it.
+    text = str(exc)
+    match = re.search(r" - at `\$\.?(.*)`$", text)
+    if match:
+        return f"{match.group(1) or '(top level)'}: {text[: match.start()]}"
+    return text
+
+
+def parse_config(data: bytes | str, source: str = "supervisor.toml") -> Config:
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_readable(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    return parse_config(data, str(path))
+
+
+def run_dir_for(config: Config, config_path: str | os.PathLike[str]) -> Path:
+    """The private run directory for ipc sockets: configured, or derived from the config file's path,
+    so that a client given the same file finds the same broker."""
+    if config.supervisor.run_dir:
+        return Path(config.supervisor.run_dir).expanduser().resolve()
+    digest = hashlib.sha1(str(Path(config_path).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"zserve-{os.getuid()}-{digest}"
+
+
+def endpoints_for(config: Config, run_dir: Path) -> Endpoints:
+    def ipc(name: str) -> str:
+        address = f"ipc://{run_dir / name}"
+        if len(address) - len("ipc://") > _MAX_IPC_PATH:
+            raise ConfigError(
+                f"supervisor.run_dir: {run_dir} is too long for an ipc socket path; choose a shorter one"
+            )
+        return address
+
+    b = config.broker
+    return Endpoints(
+        client=b.client_endpoint or ipc("client.sock"),
+        work=b.work_endpoint or ipc("work.sock"),
+        out=b.out_endpoint or ipc("out.sock"),
+    )
+
+
+class ServedModel(msgspec.Struct, kw_only=True):
+    """What a frontend needs to know of one model (it never loads weights)."""
+
+    name: str
+    handler: str
+    options: dict[str, Any] = {}
+    timeout_ms: int = 30_000
+
+
+class FrontendSettings(msgspec.Struct, kw_only=True):
+    """Handed by the supervisor to each gunicorn worker (env ZSERVE_FRONTEND, as JSON)."""
+
+    client_endpoint: str
+    models: list[ServedModel]
+    max_body_bytes: int = 1 << 20
+
+    @classmethod
+    def from_config(cls, config: Config, endpoints: Endpoints) -> FrontendSettings:
+        return cls(
+            client_endpoint=endpoints.client,
+            models=[ServedModel(name=m.name, handler=m.handler, options=m.options, timeout_ms=m.timeout_ms)
+                    for m in config.models],
+            max_body_bytes=config.frontends.max_body_bytes,
+        )

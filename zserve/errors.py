@@ -1,0 +1,90 @@
+"""Typed exceptions, shared by the Python clients, the engines and the frontends."""
+
+from __future__ import annotations
+
+from zserve.protocol import Status
+
+
+class ZserveError(Exception):
+    """Base of every error a zserve client raises. ``status`` is the wire status behind it."""
+
+    status: Status = Status.INTERNAL
+    http_status: int = 500
+    type_name: str = "internal_error"
+
+    def __init__(self, message: str = "", *, field: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class BadRequest(ZserveError):
+    """The input was rejected. Raise it from ``decode_request`` or ``predict`` to answer 400."""
+
+    status = Status.BAD_REQUEST
+    http_status = 400
+    type_name = "bad_request"
+
+
+class UnknownModel(ZserveError):
+    status = Status.UNKNOWN_MODEL
+    http_status = 404
+    type_name = "unknown_model"
+
+
+class Overloaded(ZserveError):
+    """The model's queue is full (or the broker is shutting down): retry later."""
+
+    status = Status.OVERLOADED
+    http_status = 503
+    type_name = "overloaded"
+
+
+class ShuttingDown(Overloaded):
+    status = Status.SHUTTING_DOWN
+    type_name = "shutting_down"
+
+
+class DeadlineExceeded(ZserveError):
+    status = Status.DEADLINE_EXCEEDED
+    http_status = 504
+    type_name = "deadline_exceeded"
+
+
+class EngineLost(ZserveError):
+    """The worker holding the request died (after one re-dispatch), or the broker restarted."""
+
+    status = Status.ENGINE_LOST
+    http_status = 503
+    type_name = "engine_lost"
+
+
+class BrokerUnavailable(EngineLost):
+    """The broker stopped answering while the request was pending."""
+
+    type_name = "broker_unavailable"
+
+
+class ModelError(ZserveError):
+    """The model raised, or returned the wrong number of outputs."""
+
+    status = Status.INTERNAL
+    http_status = 500
+    type_name = "model_error"
+
+
+class Cancelled(ZserveError):
+    status = Status.CANCELLED
+    http_status = 499
+    type_name = "cancelled"
+
+
+_BY_STATUS: dict[Status, type[ZserveError]] = {
+    cls.status: cls
+    for cls in (BadRequest, UnknownModel, Overloaded, ShuttingDown, DeadlineExceeded, EngineLost, ModelError, Cancelled)
+}
+
+
+def error_for(status: Status, message: str, field: str = "") -> ZserveError:
+    """The typed exception for a non-OK wire status."""
+    return _BY_STATUS.get(status, ZserveError)(message, field=field)

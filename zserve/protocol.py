@@ -1,0 +1,160 @@
+"""The wire protocol: every message that crosses a ZeroMQ socket, defined once.
+
+Frame layout on every socket: ``[identity (ROUTER side only)] [header] [payload frames...]``. The header
+is one msgspec-msgpack encoded, tagged Struct; payload frames are raw bytes (see ``zserve.payload``) that
+the broker forwards without decoding. Rules for evolving this file: tags are never reused, fields are
+only appended, and every appended field has a default, so an older peer still decodes a newer message.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+log = logging.getLogger("zserve.protocol")
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1  # the input was rejected (decode_request, validation, a model-raised BadRequest)
+    UNKNOWN_MODEL = 2
+    OVERLOADED = 3  # the model's queue is full: retry later
+    DEADLINE_EXCEEDED = 4
+    ENGINE_LOST = 5  # the worker holding the request died twice, or the broker restarted
+    INTERNAL = 6  # the model raised, or returned the wrong number of outputs
+    CANCELLED = 7
+    SHUTTING_DOWN = 8  # the broker is draining and accepts nothing new
+
+
+class Msg(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Base of every wire message. Tags are small ints (``tag=N`` on each subclass)."""
+
+
+# ---- clients (frontends, direct clients) <-> broker: DEALER -> ROUTER -> DEALER ----
+
+
+class Submit(Msg, tag=1):
+    """One request. Followed by ``n_frames`` payload frames (``zserve.payload``)."""
+
+    req_id: int  # chosen by the client, unique per client socket
+    model: str
+    timeout_ms: int = 0  # relative; 0 = the model's configured timeout_ms
+    decoded: bool = False  # True: decode_request already ran (frontends); False: the engine runs the hooks
+
+
+class Cancel(Msg, tag=2):
+    req_id: int
+
+
+class Reply(Msg, tag=3):
+    """The one answer to a Submit. On OK, followed by the output's payload frames."""
+
+    req_id: int
+    status: Status
+    message: str = ""
+    field: str = ""  # the offending input field, for BAD_REQUEST when known
+    batch_size: int = 0
+    queue_ms: float = 0.0  # time from arrival at the broker to dispatch to a worker
+    compute_ms: float = 0.0  # time the batch spent in the worker
+
+
+class HealthQuery(Msg, tag=4):
+    query_id: int
+
+
+class ModelHealth(msgspec.Struct, array_like=True, gc=False):
+    name: str
+    ready_workers: int
+    queue_depth: int
+    in_flight: int
+    busy_workers: int = 0
+
+
+class HealthReport(Msg, tag=5):
+    query_id: int
+    epoch: int  # random per broker start: a change tells a client the broker restarted
+    draining: bool
+    models: list[ModelHealth] = []
+
+
+# ---- workers <-> broker ----
+# Batches go broker ROUTER -> worker DEALER (addressed, credit-based). Results and heartbeats come back on
+# the PUSH -> PULL fan-in, each naming the worker it comes from.
+
+
+class Hello(Msg, tag=20):
+    """A worker registers (after setup and warm-up); sent on its DEALER, whose identity is ``worker``."""
+
+    worker: str
+    pid: int
+    role: str  # "engine"; "preprocess" comes with the stage issue
+    models: list[str]
+    credits: int
+    protocol: int = PROTOCOL_VERSION
+
+
+class Batch(Msg, tag=21):
+    """Followed by every item's payload frames, concatenated; ``frame_counts`` splits them."""
+
+    batch_id: int
+    model: str
+    item_ids: list[int]
+    frame_counts: list[int]
+    decoded: list[bool]
+
+
+class BatchResult(Msg, tag=22):
+    """Followed by each OK item's output frames, concatenated; ``frame_counts`` splits them."""
+
+    batch_id: int
+    worker: str
+    statuses: list[Status]
+    messages: list[str]
+    fields: list[str]
+    frame_counts: list[int]
+    compute_ms: float = 0.0
+
+
+class Heartbeat(Msg, tag=23):
+    sender: str
+    busy: bool = False
+
+
+class Reset(Msg, tag=24):
+    """Broker -> worker: "I do not know you" (the broker restarted, or expired you): send Hello again."""
+
+    reason: str = ""
+
+
+class Shutdown(Msg, tag=25):
+    """Broker -> worker: finish the current batch and exit."""
+
+    reason: str = ""
+
+
+Message = (
+    Submit | Cancel | Reply | HealthQuery | HealthReport | Hello | Batch | BatchResult | Heartbeat | Reset | Shutdown
+)
+
+
+class Codec:
+    """Header encoder/decoder. Not thread-safe: one per thread that owns a socket."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, msg: Msg) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview, sender: str = "?") -> Msg | None:
+        """Decode a header; a malformed one is logged with its sender and dropped (None), never raised."""
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropped malformed frame from %s: %s", sender, exc)
+            return None

@@ -1,0 +1,302 @@
+"""``zserve up``: start, watch and stop every process of a deployment.
+
+Order: broker -> engines -> (once every engine has registered) gunicorn frontends -> one line
+``zserve ready: http://HOST:PORT`` once /readyz answers 200. A child that dies is restarted with
+exponential backoff; one that dies more than ``max_restarts`` times within ``restart_window_s`` makes
+the supervisor give up loudly (stop everything, exit 1) rather than flap. SIGTERM or Ctrl-C stops in
+order (frontends, then the broker, which drains and tells engines to exit, then any straggler) and
+exits 0 with nothing left running. Every child's output is prefixed with its name.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import msgspec
+
+from zserve.client import Client
+from zserve.config import Config, Endpoints, FrontendSettings, ModelConfig, endpoints_for, run_dir_for
+from zserve.errors import BrokerUnavailable
+
+log = logging.getLogger("zserve.supervisor")
+
+_TICK_S = 0.1
+_MAX_BACKOFF_S = 10.0
+
+
+class StartupError(RuntimeError):
+    """The deployment could not start; the message says which process and why."""
+
+
+@dataclass
+class Child:
+    name: str
+    role: str  # broker | engine | frontend
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: collections.deque = field(default_factory=collections.deque)  # times of recent restarts
+    restart_at: float | None = None
+    pump: threading.Thread | None = None
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_path: str | os.PathLike[str], out: IO[str] | None = None) -> None:
+        self.config = config
+        self.run_dir = run_dir_for(config, config_path)
+        self.endpoints: Endpoints = endpoints_for(config, self.run_dir)
+        self.out = out or sys.stdout
+        self._out_lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.gave_up = False
+        self.children: list[Child] = []
+        f = config.frontends
+        host = f"[{f.host}]" if ":" in f.host else f.host
+        self.url = f"http://{host}:{f.port}"
+
+    # ---- output ----
+
+    def say(self, name: str, line: str) -> None:
+        with self._out_lock:
+            try:
+                self.out.write(f"{name:<16}| {line.rstrip()}\n")
+                self.out.flush()
+            except (ValueError, OSError):
+                pass  # our own output is gone; keep supervising
+
+    def _pump(self, child: Child, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            self.say(child.name, raw.decode(errors="replace"))
+        stream.close()
+
+    # ---- children ----
+
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ZSERVE_SUPERVISED"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _broker_child(self) -> Child:
+        e = self.endpoints
+        argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", msgspec.json.encode(self.config).decode(),
+                "--client", e.client, "--work", e.work, "--out", e.out]
+        return Child("broker", "broker", argv, self._base_env())
+
+    def _engine_child(self, model: ModelConfig, index: int) -> Child:
+        env = self._base_env()
+        device = model.device_for(index)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+            device = "cuda:0"
+        b = self.config.broker
+        argv = [sys.executable, "-m", "zserve.stages.engine", "--name", f"engine-{model.name}-{index}",
+                "--model-json", msgspec.json.encode(model).decode(), "--device", device,
+                "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
+                "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
+                "--heartbeat-liveness", str(b.heartbeat_liveness)]
+        return Child(f"engine-{model.name}-{index}", "engine", argv, env)
+
+    def _frontend_child(self) -> Child:
+        f = self.config.frontends
+        env = self._base_env()
+        env["ZSERVE_FRONTEND"] = msgspec.json.encode(FrontendSettings.from_config(self.config, self.endpoints)).decode()
+        metrics_dir = self.run_dir / "metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(mode=0o700)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        host = f"[{f.host}]" if ":" in f.host else f.host
+        argv = [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(f.workers),
+                "--bind", f"{host}:{f.port}", "--no-control-socket",
+                "--graceful-timeout", str(int(f.graceful_timeout_s)), "--asgi-disconnect-grace-period", "0",
+                "--keep-alive", "5", "--error-logfile", "-",
+                "--pid", str(self.run_dir / "gunicorn.pid"),
+                "-c", "python:zserve.frontends.gunicorn_conf", "zserve.frontends.app:create_app()"]
+        return Child("frontend", "frontend", argv, env)
+
+    def start(self, child: Child) -> None:
+        child.restart_at = None
+        child.proc = subprocess.Popen(
+            child.argv,
+            env=child.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+        )
+        child.pump = threading.Thread(target=self._pump, args=(child, child.proc.stdout), daemon=True)
+        child.pump.start()
+        self.say("supervisor", f"started {child.name} (pid {child.proc.pid})")
+        if child not in self.children:
+            self.children.append(child)
+
+    def tick(self) -> None:
+        """Notice dead children; restart them with backoff, or give up."""
+        now = time.monotonic()
+        s = self.config.supervisor
+        for child in self.children:
+            if child.proc is None or self.stopping.is_set():
+                continue
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self.start(child)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            while child.restarts and now - child.restarts[0] > s.restart_window_s:
+                child.restarts.popleft()
+            if len(child.restarts) >= s.max_restarts:
+                self.say("supervisor", f"ERROR {child.name} exited with code {code} and was restarted "
+                         f"{len(child.restarts)} times in {s.restart_window_s:.0f}s: giving up, stopping everything")
+                self.gave_up = True
+                self.stopping.set()
+                return
+            backoff = min(_MAX_BACKOFF_S, s.restart_backoff_s * (2 ** len(child.restarts)))
+            child.restarts.append(now)
+            child.restart_at = now + backoff
+            self.say("supervisor", f"{child.name} exited with code {code}; restarting in {backoff:.1f}s")
+
+    def wait_until(self, what: str, ready: Callable[[], bool]) -> None:
+        """Tick until ``ready()`` (a readiness probe) holds; fail on timeout, stop or give-up."""
+        deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
+        while not ready():
+            if self.stopping.is_set():
+                raise StartupError(f"stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise StartupError(f"timed out after {self.config.supervisor.startup_timeout_s:.0f}s waiting for {what}")
+            self.tick()
+            time.sleep(_TICK_S)
+
+    # ---- readiness probes ----
+
+    def _engines_registered(self, client: Client) -> bool:
+        try:
+            report = client.health(timeout_s=1.0)
+        except BrokerUnavailable:
+            return False
+        ready = {m.name: m.ready_workers for m in report.models}
+        return all(ready.get(m.name, 0) >= m.engines for m in self.config.models)
+
+    def _http_ready(self) -> bool:
+        f = self.config.frontends
+        conn = http.client.HTTPConnection(f.host, f.port, timeout=2)
+        try:
+            conn.request("GET", "/readyz")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    # ---- lifecycle ----
+
+    def _prepare_run_dir(self) -> None:
+        client_sock = self.run_dir / "client.sock"
+        if client_sock.exists():
+            with Client(self.endpoints.client) as probe:
+                try:
+                    probe.health(timeout_s=1.0)
+                except BrokerUnavailable:
+                    pass
+                else:
+                    raise StartupError(f"a zserve deployment is already running from {self.run_dir}")
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.run_dir.stat().st_uid != os.getuid():
+            raise StartupError(f"run dir {self.run_dir} belongs to another user")
+        self.run_dir.chmod(0o700)
+        for stale in self.run_dir.glob("*.sock"):
+            stale.unlink()
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: object) -> None:
+            if not self.stopping.is_set():
+                self.say("supervisor", f"received {signal.Signals(signum).name}: stopping")
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self._prepare_run_dir()
+            self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
+            self.start(self._broker_child())
+            with Client(self.endpoints.client) as client:
+                self.wait_until("the broker", lambda: self._broker_answers(client))
+                for model in self.config.models:
+                    for i in range(model.engines):
+                        self.start(self._engine_child(model, i))
+                self.wait_until("the engines to register", lambda: self._engines_registered(client))
+            self.start(self._frontend_child())
+            self.wait_until(f"{self.url}/readyz", self._http_ready)
+            self.say("supervisor", f"zserve ready: {self.url}")
+            print(f"zserve ready: {self.url}", file=self.out, flush=True)
+            while not self.stopping.wait(_TICK_S):
+                self.tick()
+        except StartupError as exc:
+            self.say("supervisor", f"ERROR {exc}")
+            self.gave_up = True
+        finally:
+            self.shutdown()
+        return 1 if self.gave_up else 0
+
+    @staticmethod
+    def _broker_answers(client: Client) -> bool:
+        try:
+            client.health(timeout_s=0.5)
+            return True
+        except BrokerUnavailable:
+            return False
+
+    def _stop(self, role: str, sig: int, timeout_s: float) -> None:
+        procs = [c.proc for c in self.children if c.role == role and c.proc is not None and c.proc.poll() is None]
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say("supervisor", f"pid {proc.pid} ({role}) did not stop in {timeout_s:.0f}s: killing it")
+                self._kill_group(proc)
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        c = self.config
+        self._stop("frontend", signal.SIGTERM, c.frontends.graceful_timeout_s + 5)
+        self._stop("broker", signal.SIGTERM, c.broker.drain_timeout_s + 5)
+        self._stop("engine", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
+        for child in self.children:
+            if child.proc is not None:
+                # Anything a child left in its session (a gunicorn worker, a helper) goes too.
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if child.pump is not None:
+                child.pump.join(timeout=2)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.say("supervisor", "stopped" + (" (gave up)" if self.gave_up else ""))

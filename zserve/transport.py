@@ -1,0 +1,57 @@
+"""Socket construction in one place, and the process-level helpers every zserve child uses."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+import zmq
+
+_PR_SET_PDEATHSIG = 1
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+    hwm: int = 100_000,
+    linger_ms: int = 0,
+    mandatory: bool = False,
+) -> zmq.Socket:
+    """A socket with explicit options. ``mandatory`` (ROUTER): a send to a departed peer raises
+    EHOSTUNREACH instead of vanishing, so the broker notices at once."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, int(mandatory))
+        # A restarted worker or client that reuses its identity takes over the old connection.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.IPV6, 1)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` when our parent exits, so no child outlives its supervisor."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect; we were re-parented to init
+        os.kill(os.getpid(), sig)
