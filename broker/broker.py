@@ -214,6 +214,7 @@ class Broker:
             )
             if not self._send(self.work, d.worker.worker_id, [self.codec.encode(header), *frames]):
                 # Never delivered: put the items back untouched and forget the worker.
+                log.warning("worker %s (pid %d) disconnected before batch %d", d.worker.name, d.worker.pid, d.batch_id)
                 for batch in self.pool.remove(d.worker.worker_id):
                     for item_id in batch.item_ids:
                         request = self.requests.get(item_id)
@@ -233,10 +234,12 @@ class Broker:
         if now - self._last_heartbeat_s >= self.interval_s:
             self._last_heartbeat_s = now
             beat = self.codec.encode(Heartbeat("broker"))
-            for worker_id in list(self.pool.workers):
+            for worker_id, worker in list(self.pool.workers.items()):
                 if not self._send(self.work, worker_id, [beat]):
-                    for batch in self.pool.remove(worker_id):
-                        self._fail_batch(batch, "worker disconnected")
+                    batches = self.pool.remove(worker_id)
+                    log.warning("worker %s (pid %d) disconnected, held %d batches", worker.name, worker.pid, len(batches))
+                    for batch in batches:
+                        self._fail_batch(batch, f"worker {worker.name} disconnected")
 
     def health(self, query_id: int) -> HealthReport:
         models = [

@@ -90,13 +90,13 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _broker_child(self) -> Child:
+    def broker_child(self) -> Child:
         e = self.endpoints
         argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", msgspec.json.encode(self.config).decode(),
                 "--client", e.client, "--work", e.work, "--out", e.out]
         return Child("broker", "broker", argv, self._base_env())
 
-    def _engine_child(self, model: ModelConfig, index: int) -> Child:
+    def engine_child(self, model: ModelConfig, index: int) -> Child:
         env = self._base_env()
         device = model.device_for(index)
         if device.startswith("cuda:"):
@@ -110,7 +110,7 @@ class Supervisor:
                 "--heartbeat-liveness", str(b.heartbeat_liveness)]
         return Child(f"engine-{model.name}-{index}", "engine", argv, env)
 
-    def _frontend_child(self) -> Child:
+    def frontend_child(self) -> Child:
         f = self.config.frontends
         env = self._base_env()
         env["ZSERVE_FRONTEND"] = msgspec.json.encode(FrontendSettings.from_config(self.config, self.endpoints)).decode()
@@ -232,14 +232,14 @@ class Supervisor:
         try:
             self._prepare_run_dir()
             self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
-            self.start(self._broker_child())
+            self.start(self.broker_child())
             with Client(self.endpoints.client) as client:
                 self.wait_until("the broker", lambda: self._broker_answers(client))
                 for model in self.config.models:
                     for i in range(model.engines):
-                        self.start(self._engine_child(model, i))
+                        self.start(self.engine_child(model, i))
                 self.wait_until("the engines to register", lambda: self._engines_registered(client))
-            self.start(self._frontend_child())
+            self.start(self.frontend_child())
             self.wait_until(f"{self.url}/readyz", self._http_ready)
             self.say("supervisor", f"zserve ready: {self.url}")
             print(f"zserve ready: {self.url}", file=self.out, flush=True)

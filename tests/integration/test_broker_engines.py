@@ -1,0 +1,181 @@
+"""A real broker and real engine processes over ipc, driven by the direct client."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+import zserve
+from zserve.protocol import Codec, HealthQuery
+
+SLOW = """
+[broker]
+heartbeat_interval_ms = 100
+heartbeat_liveness = 5
+
+[[models]]
+name = "slow"
+handler = "testmodels:SlowEcho"
+engines = 2
+max_batch_size = 8
+max_wait_ms = 5
+credits = 1
+[models.options]
+delay_s = {delay}
+"""
+
+
+def test_requests_are_batched_and_each_gets_its_own_answer(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=0.05))
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    client = c.client()
+    futures = [client._submit("slow", {"i": i}, None, with_meta=True) for i in range(64)]
+    answers = [f.result(timeout=30) for f in futures]
+    assert [a.value["echo"] for a in answers] == [{"i": i} for i in range(64)]
+    sizes = [a.batch_size for a in answers]
+    assert max(sizes) == 8  # full batches formed while the engine was busy
+    assert all(a.value["batch"] == a.batch_size for a in answers)
+    assert sum(a.queue_ms for a in answers) > 0
+
+
+def test_lone_request_is_not_held_for_the_batching_window(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=0.0).replace("max_wait_ms = 5", "max_wait_ms = 2000"))
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    client = c.client()
+    for i in range(5):
+        answer = client.infer("slow", i)
+        assert answer.batch_size == 1
+        assert answer.queue_ms < 100  # an idle engine takes it now, not after max_wait_ms = 2000
+
+
+def test_engine_killed_mid_batch_loses_no_request(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=0.3))
+    c.start_broker()
+    e0 = c.start_engine("slow", 0)
+    e1 = c.start_engine("slow", 1)
+    c.wait_ready({"slow": 2})
+    client = c.client()
+    futures = [client.submit("slow", i) for i in range(40)]
+    time.sleep(0.15)  # let both engines get a batch (each takes 0.3 s) before the kill
+    e0.send_signal(signal.SIGKILL)
+    results = [f.result(timeout=60) for f in futures]
+    assert [r["echo"] for r in results] == list(range(40))
+    assert {r["pid"] for r in results} == {e1.pid}  # e0 never answered: its batch was re-dispatched
+    assert "engine-slow-0" in c.log("broker") and ("disconnected" in c.log("broker") or "lost" in c.log("broker"))
+
+
+def test_a_batch_lost_twice_is_answered_engine_lost(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=1.0))
+    c.start_broker()
+    e0 = c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    client = c.client()
+    future = client.submit("slow", "x")
+    e1 = c.start_engine("slow", 1)
+    c.wait_ready({"slow": 2})
+    e0.send_signal(signal.SIGKILL)  # holds the batch; it goes to e1
+    deadline = time.monotonic() + 10
+    while "disconnected" not in c.log("broker") and "was lost" not in c.log("broker") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    e1.send_signal(signal.SIGKILL)
+    with pytest.raises(zserve.EngineLost, match="gave up after 2 attempts"):
+        future.result(timeout=30)
+
+
+def test_overload_deadline_unknown_model_and_bad_input(cluster_factory):
+    c = cluster_factory(
+        SLOW.format(delay=0.5).replace("engines = 2", "engines = 1\nmax_queue = 4\ntimeout_ms = 300")
+        + '\n[[models]]\nname = "picky"\nhandler = "testmodels:Picky"\n'
+    )
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.start_engine("picky", 0)
+    c.wait_ready({"slow": 1, "picky": 1})
+    client = c.client()
+    futures = [client.submit("slow", i) for i in range(20)]
+    errors = []
+    for f in futures:
+        try:
+            f.result(timeout=30)
+        except zserve.ZserveError as exc:
+            errors.append(type(exc))
+    assert zserve.Overloaded in errors  # past max_queue: answered at once
+    assert zserve.DeadlineExceeded in errors  # queued behind a 0.5 s batch with a 0.3 s deadline
+    with pytest.raises(zserve.UnknownModel, match="no model named 'nope'"):
+        client.predict("nope", 1)
+    with pytest.raises(zserve.BadRequest) as info:
+        client.predict("picky", {"reject": True})
+    assert info.value.field == "reject"
+    with pytest.raises(zserve.ModelError, match="boom"):
+        client.predict("picky", "boom")
+    assert client.predict("picky", "fine") == {"ok": "fine"}  # the engine kept serving
+    with pytest.raises(zserve.DeadlineExceeded):
+        client.predict("slow", 1, timeout_ms=50)
+
+
+def test_async_client_and_many_futures_from_one_thread(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=0.01))
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+
+    async def main():
+        async with zserve.AsyncClient(c.sup.endpoints.client) as client:
+            results = await asyncio.gather(*(client.predict("slow", i) for i in range(100)))
+            with pytest.raises(zserve.UnknownModel):
+                await client.predict("nope", 1)
+            return results
+
+    results = asyncio.run(main())
+    assert [r["echo"] for r in results] == list(range(100))
+    client = c.client()
+    done = concurrent.futures.wait([client.submit("slow", i) for i in range(200)], timeout=30).done
+    assert sorted(f.result()["echo"] for f in done) == list(range(200))
+
+
+def test_malformed_frames_do_not_stop_the_broker(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=0.0))
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(c.sup.endpoints.client)
+    for junk in ([b"\xc1\xc1"], [b""], [Codec().encode(HealthQuery(1))[:-1]]):
+        sock.send_multipart(junk)
+    sock.send(Codec().encode(HealthQuery(7)))
+    assert sock.poll(5000)
+    assert Codec().decode(sock.recv()).query_id == 7
+    sock.close(0)
+    ctx.term()
+    assert c.client().predict("slow", "still here")["echo"] == "still here"
+    assert "dropped malformed frame from client" in c.log("broker")
+
+
+def test_broker_restart_fails_pending_requests_and_engines_re_register(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=2.0))
+    broker = c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    client = c.client()
+    future = client.submit("slow", "lost")
+    time.sleep(0.2)
+    broker.send_signal(signal.SIGKILL)
+    broker.wait()
+    c.start_broker()
+    with pytest.raises(zserve.EngineLost):  # the broker restarted (or went silent): an error, never a hang
+        future.result(timeout=30)
+    c.wait_ready({"slow": 1}, timeout_s=30)  # the engine noticed and registered again
+    assert client.predict("slow", "again")["echo"] == "again"
+    assert os.path.exists(c.run_dir)

@@ -1,0 +1,50 @@
+"""Models used by the tests. Importable by engine subprocesses: the fixtures put this folder on
+PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from zserve import BadRequest, Model
+
+
+class SlowEcho(Model):
+    """Echo that spends ``delay_s`` per batch (a stand-in for device time) and reports who served it."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        super().__init__(delay_s=delay_s)
+        self.delay_s = float(delay_s)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        time.sleep(self.delay_s)
+        return [{"echo": item, "pid": os.getpid(), "batch": len(batch)} for item in batch]
+
+
+class Picky(Model):
+    """Fails in every way a model can, one item at a time.
+
+    body {"reject": ...} -> decode_request raises BadRequest (field "reject");
+    item "boom"          -> predict raises (only that item must fail);
+    item "short"         -> predict returns one output too few (the whole batch fails);
+    item "unencodable"   -> encode_response raises;
+    anything else        -> {"ok": item}.
+    """
+
+    def decode_request(self, body: Any) -> Any:
+        if isinstance(body, dict) and "reject" in body:
+            raise BadRequest("reject is not allowed here", field="reject")
+        return body
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        time.sleep(0.01)
+        if "boom" in batch:
+            raise ValueError("boom")
+        outputs = [{"ok": item} for item in batch]
+        return outputs[:-1] if "short" in batch else outputs
+
+    def encode_response(self, output: Any) -> Any:
+        if output == {"ok": "unencodable"}:
+            raise RuntimeError("cannot encode this one")
+        return output

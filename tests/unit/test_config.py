@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zserve.config import ConfigError, endpoints_for, load_config, parse_config, run_dir_for
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = '[[models]]\nname = "m"\nhandler = "zserve.models.echo:Echo"\n'
+
+
+def test_the_default_deployment_parses():
+    config = load_config(REPO / "supervisor.toml")
+    assert [m.name for m in config.models] == ["echo", "minilm"]
+    assert config.frontends.host == "127.0.0.1" and config.frontends.port == 8000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (MODEL + "max_batch_size = 0\n", "models[0].max_batch_size: Expected `int` >= 1"),
+        (MODEL + "batch = 3\n", "models[0]: Object contains unknown field `batch`"),
+        ("[frontend]\nworkers = 2\n" + MODEL, "unknown field `frontend`"),
+        ("[frontends]\nport = 70000\n" + MODEL, "frontends.port: Expected `int` <= 65535"),
+        ("[frontends]\nworkers = 'two'\n" + MODEL, "frontends.workers: Expected `int`, got `str`"),
+        ('[[models]]\nname = "m"\nhandler = "no_colon"\n', "handler 'no_colon'"),
+        ("", "at least one [[models]] table"),
+        (MODEL + MODEL, "model names must be unique: m"),
+        ("[broker\n", "not valid TOML"),
+    ],
+)
+def test_errors_name_the_key(text, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert expected in str(info.value)
+
+
+def test_run_dir_is_derived_from_the_config_path_and_endpoints_can_be_tcp(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    config = parse_config(MODEL)
+    assert run_dir_for(config, a) == run_dir_for(config, a) != run_dir_for(config, b)
+    ep = endpoints_for(config, run_dir_for(config, a))
+    assert ep.client.startswith("ipc://") and ep.client.endswith("client.sock")
+    tcp = parse_config('[broker]\nclient_endpoint = "tcp://127.0.0.1:5555"\n' + MODEL)
+    assert endpoints_for(tcp, tmp_path).client == "tcp://127.0.0.1:5555"
+    with pytest.raises(ConfigError, match="too long"):
+        endpoints_for(config, tmp_path / ("x" * 120))
