@@ -93,7 +93,7 @@ class Broker:
 
     def _fail_batch(self, batch: InFlightBatch, why: str) -> None:
         """A batch was lost with its worker: re-dispatch each item once, then answer ENGINE_LOST."""
-        for item_id in batch.item_ids:
+        for item_id in reversed(batch.item_ids):  # each goes back to the head: reversed keeps their order
             request = self.requests.get(item_id)
             if request is None:
                 continue
@@ -216,7 +216,10 @@ class Broker:
                 # Never delivered: put the items back untouched and forget the worker.
                 log.warning("worker %s (pid %d) disconnected before batch %d", d.worker.name, d.worker.pid, d.batch_id)
                 for batch in self.pool.remove(d.worker.worker_id):
-                    for item_id in batch.item_ids:
+                    if batch.batch_id != d.batch_id:
+                        self._fail_batch(batch, f"worker {d.worker.name} disconnected")
+                        continue
+                    for item_id in reversed(batch.item_ids):  # back to the head, in their order
                         request = self.requests.get(item_id)
                         if request is not None:
                             request.batch_id = 0

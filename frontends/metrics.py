@@ -44,6 +44,12 @@ QUEUE_DEPTH = Gauge(
     ["model"],
     multiprocess_mode="mostrecent",
 )
+IN_FLIGHT = Gauge(
+    "zserve_in_flight",
+    "Requests dispatched to engines and not yet answered (read from the broker at scrape time)",
+    ["model"],
+    multiprocess_mode="mostrecent",
+)
 READY_ENGINES = Gauge(
     "zserve_ready_engines",
     "Engines registered with the broker (read at scrape time)",

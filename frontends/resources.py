@@ -159,6 +159,7 @@ class MetricsResource:
         if report is not None:
             for m in report.models:
                 metrics.QUEUE_DEPTH.labels(m.name).set(m.queue_depth)
+                metrics.IN_FLIGHT.labels(m.name).set(m.in_flight)
                 metrics.READY_ENGINES.labels(m.name).set(m.ready_workers)
         resp.data = metrics.render()
         resp.content_type = metrics.CONTENT_TYPE
@@ -167,5 +168,5 @@ class MetricsResource:
 def error_serializer(req: Any, resp: Any, exc: falcon.HTTPError) -> None:
     """falcon's own errors (unknown route, wrong method) in our error shape."""
     resp.content_type = falcon.MEDIA_JSON
-    type_name = (exc.title or "error").lower().replace(" ", "_")
-    resp.data = error_body(type_name, exc.description or exc.title or "error")
+    title = (exc.title or "error").split(" ", 1)[-1] if (exc.title or "")[:3].isdigit() else (exc.title or "error")
+    resp.data = error_body(title.lower().replace(" ", "_"), exc.description or title)

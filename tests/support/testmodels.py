@@ -48,3 +48,27 @@ class Picky(Model):
         if output == {"ok": "unencodable"}:
             raise RuntimeError("cannot encode this one")
         return output
+
+
+class Broken(Model):
+    """An engine that can never start: setup always fails."""
+
+    def setup(self, device: str) -> None:
+        raise RuntimeError("weights not found (on purpose)")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch
+
+
+class Recorder(SlowEcho):
+    """SlowEcho that appends every item it computes to the file ``log_path``."""
+
+    def __init__(self, delay_s: float = 0.05, log_path: str = "") -> None:
+        super().__init__(delay_s)
+        self.log_path = log_path
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        outputs = super().predict(batch)
+        with open(self.log_path, "a") as f:
+            f.writelines(f"{item}\n" for item in batch)
+        return outputs

@@ -1,0 +1,270 @@
+"""Child processes that are always stopped: servers under test and helpers.
+
+Every child runs in its own session (so a Ctrl-C in the terminal reaches only the bench, which then stops
+the children in order). ``Managed.close`` sends the polite signal, waits, then SIGKILLs the child's process
+group and any descendant recorded while it ran; an ``atexit`` hook closes whatever is still open.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import http.client
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import psutil
+
+from bench_paths import BENCH, VENV_BIN
+from catalog import thread_env
+
+_open: list[Managed] = []
+
+
+class ProcessError(RuntimeError):
+    """A child failed to start or become ready; the message carries the tail of its output."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into SystemExit, so that ``finally`` blocks (and atexit) stop the children."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
+
+
+class Managed:
+    """A child process whose output is kept (last lines) and can be waited on for a readiness line."""
+
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, stop_timeout_s: float = 30.0, echo: bool = False
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.stop_timeout_s = stop_timeout_s
+        self.echo = echo
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self._watches: list[tuple[re.Pattern[str], list[re.Match[str]]]] = []
+        self._cond = threading.Condition()
+        self._family: dict[int, float] = {}  # pid -> create_time of every descendant seen
+        self._pump: threading.Thread | None = None
+
+    def __enter__(self) -> Managed:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        _open.append(self)
+        self._pump = threading.Thread(target=self._read, name=f"pump-{self.name}", daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            if self.echo:
+                print(f"  [{self.name}] {line}", flush=True)
+            with self._cond:
+                self.lines.append(line)
+                for regex, found in self._watches:
+                    if not found and (match := regex.search(line)):
+                        found.append(match)
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        with self._cond:
+            return self._tail_locked(n)
+
+    def _tail_locked(self, n: int = 40) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """Wait until a line of output matches ``pattern``; raise if the child exits or time runs out."""
+        regex = re.compile(pattern)
+        found: list[re.Match[str]] = []
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            for line in self.lines:
+                if match := regex.search(line):
+                    return match
+            self._watches.append((regex, found))
+            try:
+                while not found:
+                    if not self.running():
+                        raise ProcessError(f"{self.name} exited (code {self.proc.poll() if self.proc else None}) "
+                                           f"before printing {pattern!r}; its last output:\n{self._tail_locked()}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ProcessError(f"{self.name} did not print {pattern!r} in {timeout_s:.0f}s; its last "
+                                           f"output:\n{self._tail_locked()}")
+                    self._cond.wait(min(left, 0.5))
+            finally:
+                self._watches.remove((regex, found))
+        return found[0]
+
+    def record_family(self) -> None:
+        """Remember every current descendant, so that none can outlive ``close`` (they may be in other sessions)."""
+        if not self.running():
+            return
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                try:
+                    self._family[child.pid] = child.create_time()
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+
+    def close(self) -> list[str]:
+        """Stop the child and its descendants; return a description of any that had to be killed as strays."""
+        if self.proc is None:
+            return []
+        strays: list[str] = []
+        try:
+            self.record_family()
+            if self.proc.poll() is None:
+                try:
+                    self.proc.send_signal(signal.SIGTERM)
+                    self.proc.wait(timeout=self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    print(f"bench: {self.name} did not stop in {self.stop_timeout_s:.0f}s after SIGTERM: killing it",
+                          file=sys.stderr, flush=True)
+                except KeyboardInterrupt:
+                    print(f"bench: interrupted while stopping {self.name}: killing it", file=sys.stderr, flush=True)
+        finally:
+            self._kill_group()
+            strays = self._kill_family()
+            if self._pump is not None:
+                self._pump.join(timeout=2)
+            if self in _open:
+                _open.remove(self)
+        return strays
+
+    def _kill_group(self) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _kill_family(self) -> list[str]:
+        """Descendants still alive a moment after their ancestor stopped are strays: kill them by pid."""
+        strays = []
+        deadline = time.monotonic() + 3.0
+        for pid, created in self._family.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() != created:
+                    continue  # the pid was reused by an unrelated process
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except psutil.TimeoutExpired:
+                strays.append(f"pid {pid}: {' '.join(proc.cmdline())[:160]}")
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            except psutil.Error:
+                pass
+        if strays:
+            print(f"bench: WARNING {self.name} left {len(strays)} process(es) running; killed them:\n  "
+                  + "\n  ".join(strays), file=sys.stderr, flush=True)
+        return strays
+
+
+@atexit.register
+def _close_all() -> None:
+    for managed in list(reversed(_open)):
+        managed.close()
+
+
+def http_status(host: str, port: int, path: str, timeout_s: float = 2.0) -> int | None:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def zserve_up(config_path: Path, echo: bool = False, env: dict[str, str] | None = None) -> tuple[Managed, str]:
+    """Start ``zserve up -c config_path``; return it and its base URL once it prints its ready line."""
+    # The supervisor drains frontends, then the broker, then engines, each with its own timeout; allow them all.
+    managed = Managed("zserve", [str(VENV_BIN / "zserve"), "up", "-c", str(config_path)], env=env,
+                      stop_timeout_s=60.0, echo=echo)
+    managed.start()
+    try:
+        url = managed.wait_for_line(r"^zserve ready: (http://\S+)", timeout_s=600).group(1)
+    except BaseException:
+        managed.close()
+        raise
+    managed.record_family()
+    return managed, url
+
+
+def naive_up(
+    config_path: Path, models: list[str], port: int, workers: int, threads: int, ready_dir: Path, echo: bool = False
+) -> tuple[Managed, str]:
+    """Start the naive baseline (bench/naive_app.py under gunicorn); return once every worker loaded its models."""
+    env = thread_env(threads)
+    env.update(NAIVE_CONFIG=str(config_path), NAIVE_MODELS=",".join(models), NAIVE_THREADS=str(threads), NAIVE_READY_DIR=str(ready_dir))
+    ready_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(workers),
+            "--bind", f"127.0.0.1:{port}", "--no-control-socket", "--keep-alive", "5", "--graceful-timeout", "10",
+            "--timeout", "120", "--error-logfile", "-", "--pythonpath", str(BENCH),
+            "naive_app:create_app()"]
+    managed = Managed("naive", argv, env=env, stop_timeout_s=20.0, echo=echo)
+    managed.start()
+    try:
+        deadline = time.monotonic() + 600
+        while len(list(ready_dir.glob("*.ready"))) < workers or http_status("127.0.0.1", port, "/readyz") != 200:
+            if not managed.running():
+                raise ProcessError(f"the naive server exited (code {managed.proc.poll()}); its last output:\n"
+                                   f"{managed.tail()}")
+            if time.monotonic() > deadline:
+                raise ProcessError(f"the naive server was not ready in 600s; its last output:\n{managed.tail()}")
+            time.sleep(0.1)
+    except BaseException:
+        managed.close()
+        raise
+    managed.record_family()
+    return managed, f"http://127.0.0.1:{port}"

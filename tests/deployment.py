@@ -1,0 +1,111 @@
+"""``zserve up`` as a subprocess, for e2e tests: readiness is its ``zserve ready:`` line."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from cluster import test_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, config_path: Path, *args: str) -> None:
+        self.config_path = config_path
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.url = ""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zserve.cli", "up", "-c", str(config_path), *args],
+            env=test_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("zserve ready: "):
+                self.url = line.split(": ", 1)[1].strip()
+                self.ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> Deployment:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"zserve up did not get ready (exit {self.proc.poll()}):\n{self.output}")
+        return self
+
+    def wait_for_line(self, text: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no line with {text!r} in:\n{self.output}")
+            time.sleep(0.05)
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self._reader.join(timeout=5)
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None, headers: dict | None = None):
+        """(status, headers, parsed JSON or raw text) over a fresh connection."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        if isinstance(body, dict):
+            body = json.dumps(body)
+        try:
+            conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = data.decode(errors="replace")
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
+
+
+def write_config(tmp_path: Path, toml: str) -> Path:
+    path = tmp_path / "supervisor.toml"
+    path.write_text(toml)
+    return path
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
