@@ -5,10 +5,12 @@ Every worker loads every model itself (``setup`` + ``warmup``) and each request 
 route and the request/response hooks are the same as zserve's, so the same wrk script drives both.
 
 Started by bench/procs.py as ``gunicorn --worker-class asgi --pythonpath bench 'naive_app:create_app()'``;
-settings come from the environment: NAIVE_CONFIG (the supervisor.toml the models come from; default: the repo's), NAIVE_MODELS (comma-separated
-model names),
-NAIVE_THREADS (torch intra-op threads per worker), NAIVE_READY_DIR (each worker drops ``<pid>.ready`` there
-once its models are loaded).
+settings come from the environment:
+
+* NAIVE_CONFIG: the supervisor.toml the models' handlers and options come from (default: the repo's);
+* NAIVE_MODELS: comma-separated model names;
+* NAIVE_THREADS: torch intra-op threads per worker;
+* NAIVE_READY_DIR: each worker drops ``<pid>.ready`` there once its models are loaded.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def load_models(names: list[str], threads: int, config_path: str | Path) -> dict
 
 def create_app() -> falcon.asgi.App:
     names = [n for n in os.environ.get("NAIVE_MODELS", "echo").split(",") if n]
-    models = load_models(names, int(os.environ.get("NAIVE_THREADS", "1")), os.environ.get("NAIVE_CONFIG", DEFAULT_CONFIG))
+    models = load_models(
+        names, int(os.environ.get("NAIVE_THREADS", "1")), os.environ.get("NAIVE_CONFIG", DEFAULT_CONFIG)
+    )
     app = falcon.asgi.App(cors_enable=False)
     app.add_route("/v1/models/{name}/predict", Predict(models))
     app.add_route("/readyz", Ready())

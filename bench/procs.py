@@ -27,6 +27,9 @@ from bench_paths import BENCH, VENV_BIN
 from catalog import thread_env
 
 _open: list[Managed] = []
+# Output lines worth reporting after a run (a server that logs errors under load is part of the result).
+NOTABLE = re.compile(r"ERROR|CRITICAL|Traceback|WARNING|exited with code|restarting|did not stop|killing", re.I)
+MAX_NOTABLE = 200
 
 
 class ProcessError(RuntimeError):
@@ -39,11 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def exit_on_signals() -> None:
-    """Turn SIGTERM and SIGHUP into SystemExit, so that ``finally`` blocks (and atexit) stop the children."""
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind like Ctrl-C does (``finally`` blocks stop the children)."""
 
+
+def stop_on_signals() -> None:
     def handler(signum: int, _frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
+        raise Stopped(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
@@ -53,7 +58,12 @@ class Managed:
     """A child process whose output is kept (last lines) and can be waited on for a readiness line."""
 
     def __init__(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, stop_timeout_s: float = 30.0, echo: bool = False
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        stop_timeout_s: float = 30.0,
+        echo: bool = False,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -62,6 +72,7 @@ class Managed:
         self.echo = echo
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self.notable: list[str] = []
         self._watches: list[tuple[re.Pattern[str], list[re.Match[str]]]] = []
         self._cond = threading.Condition()
         self._family: dict[int, float] = {}  # pid -> create_time of every descendant seen
@@ -71,7 +82,9 @@ class Managed:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def start(self) -> None:
@@ -95,6 +108,8 @@ class Managed:
                 print(f"  [{self.name}] {line}", flush=True)
             with self._cond:
                 self.lines.append(line)
+                if NOTABLE.search(line) and len(self.notable) < MAX_NOTABLE:
+                    self.notable.append(line)
                 for regex, found in self._watches:
                     if not found and (match := regex.search(line)):
                         found.append(match)
@@ -125,12 +140,16 @@ class Managed:
             try:
                 while not found:
                     if not self.running():
-                        raise ProcessError(f"{self.name} exited (code {self.proc.poll() if self.proc else None}) "
-                                           f"before printing {pattern!r}; its last output:\n{self._tail_locked()}")
+                        raise ProcessError(
+                            f"{self.name} exited (code {self.proc.poll() if self.proc else None}) "
+                            f"before printing {pattern!r}; its last output:\n{self._tail_locked()}"
+                        )
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ProcessError(f"{self.name} did not print {pattern!r} in {timeout_s:.0f}s; its last "
-                                           f"output:\n{self._tail_locked()}")
+                        raise ProcessError(
+                            f"{self.name} did not print {pattern!r} in {timeout_s:.0f}s; its last "
+                            f"output:\n{self._tail_locked()}"
+                        )
                     self._cond.wait(min(left, 0.5))
             finally:
                 self._watches.remove((regex, found))
@@ -149,6 +168,39 @@ class Managed:
         except psutil.Error:
             pass
 
+    def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
+        """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
+        over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
+        self.record_family()
+        started = time.monotonic()
+        procs = []
+        for pid, created in [(self.proc.pid, None), *self._family.items()] if self.proc else []:
+            try:
+                proc = psutil.Process(pid)
+                if created is None or proc.create_time() == created:
+                    procs.append(proc)
+            except psutil.Error:
+                pass
+
+        def cpu_seconds() -> float:
+            total = 0.0
+            for proc in procs:
+                try:
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+                except psutil.Error:
+                    pass
+            return total
+
+        before = cpu_seconds()
+        while time.monotonic() - started < timeout_s:
+            time.sleep(window_s)
+            after = cpu_seconds()
+            if after - before < max_cores * window_s:
+                break
+            before = after
+        return time.monotonic() - started
+
     def close(self) -> list[str]:
         """Stop the child and its descendants; return a description of any that had to be killed as strays."""
         if self.proc is None:
@@ -161,8 +213,11 @@ class Managed:
                     self.proc.send_signal(signal.SIGTERM)
                     self.proc.wait(timeout=self.stop_timeout_s)
                 except subprocess.TimeoutExpired:
-                    print(f"bench: {self.name} did not stop in {self.stop_timeout_s:.0f}s after SIGTERM: killing it",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"bench: {self.name} did not stop in {self.stop_timeout_s:.0f}s after SIGTERM: killing it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 except KeyboardInterrupt:
                     print(f"bench: interrupted while stopping {self.name}: killing it", file=sys.stderr, flush=True)
         finally:
@@ -204,8 +259,12 @@ class Managed:
             except psutil.Error:
                 pass
         if strays:
-            print(f"bench: WARNING {self.name} left {len(strays)} process(es) running; killed them:\n  "
-                  + "\n  ".join(strays), file=sys.stderr, flush=True)
+            print(
+                f"bench: WARNING {self.name} left {len(strays)} process(es) running; killed them:\n  "
+                + "\n  ".join(strays),
+                file=sys.stderr,
+                flush=True,
+            )
         return strays
 
 
@@ -226,14 +285,17 @@ def http_status(host: str, port: int, path: str, timeout_s: float = 2.0) -> int 
         conn.close()
 
 
-def zserve_up(config_path: Path, echo: bool = False, env: dict[str, str] | None = None) -> tuple[Managed, str]:
+def zserve_up(
+    config_path: Path, startup_timeout_s: float, echo: bool = False, env: dict[str, str] | None = None
+) -> tuple[Managed, str]:
     """Start ``zserve up -c config_path``; return it and its base URL once it prints its ready line."""
     # The supervisor drains frontends, then the broker, then engines, each with its own timeout; allow them all.
-    managed = Managed("zserve", [str(VENV_BIN / "zserve"), "up", "-c", str(config_path)], env=env,
-                      stop_timeout_s=60.0, echo=echo)
+    managed = Managed(
+        "zserve", [str(VENV_BIN / "zserve"), "up", "-c", str(config_path)], env=env, stop_timeout_s=60.0, echo=echo
+    )
     managed.start()
     try:
-        url = managed.wait_for_line(r"^zserve ready: (http://\S+)", timeout_s=600).group(1)
+        url = managed.wait_for_line(r"^zserve ready: (http://\S+)", timeout_s=startup_timeout_s).group(1)
     except BaseException:
         managed.close()
         raise
@@ -246,20 +308,45 @@ def naive_up(
 ) -> tuple[Managed, str]:
     """Start the naive baseline (bench/naive_app.py under gunicorn); return once every worker loaded its models."""
     env = thread_env(threads)
-    env.update(NAIVE_CONFIG=str(config_path), NAIVE_MODELS=",".join(models), NAIVE_THREADS=str(threads), NAIVE_READY_DIR=str(ready_dir))
+    env.update(
+        NAIVE_CONFIG=str(config_path),
+        NAIVE_MODELS=",".join(models),
+        NAIVE_THREADS=str(threads),
+        NAIVE_READY_DIR=str(ready_dir),
+    )
     ready_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(workers),
-            "--bind", f"127.0.0.1:{port}", "--no-control-socket", "--keep-alive", "5", "--graceful-timeout", "10",
-            "--timeout", "120", "--error-logfile", "-", "--pythonpath", str(BENCH),
-            "naive_app:create_app()"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--worker-class",
+        "asgi",
+        "--workers",
+        str(workers),
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--no-control-socket",
+        "--keep-alive",
+        "5",
+        "--graceful-timeout",
+        "10",
+        "--timeout",
+        "120",
+        "--error-logfile",
+        "-",
+        "--pythonpath",
+        str(BENCH),
+        "naive_app:create_app()",
+    ]
     managed = Managed("naive", argv, env=env, stop_timeout_s=20.0, echo=echo)
     managed.start()
     try:
         deadline = time.monotonic() + 600
         while len(list(ready_dir.glob("*.ready"))) < workers or http_status("127.0.0.1", port, "/readyz") != 200:
             if not managed.running():
-                raise ProcessError(f"the naive server exited (code {managed.proc.poll()}); its last output:\n"
-                                   f"{managed.tail()}")
+                raise ProcessError(
+                    f"the naive server exited (code {managed.proc.poll()}); its last output:\n{managed.tail()}"
+                )
             if time.monotonic() > deadline:
                 raise ProcessError(f"the naive server was not ready in 600s; its last output:\n{managed.tail()}")
             time.sleep(0.1)

@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 import zmq
-
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.broker.workers import InFlightBatch, WorkerPool
+
 from zserve.config import Config, Endpoints
 from zserve.logs import setup_logging
 from zserve.protocol import (
@@ -229,9 +229,13 @@ class Broker:
         for request in self.requests.expired(now):
             self.scheduler.remove(request.model, request.item_id)
             waited = "in the queue" if request.batch_id == 0 else "in a worker"
-            self._reply(request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}")
+            self._reply(
+                request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}"
+            )
         for worker, batches in self.pool.expire(now):
-            log.warning("worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s)
+            log.warning(
+                "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
+            )
             for batch in batches:
                 self._fail_batch(batch, f"worker {worker.name} was lost")
         if now - self._last_heartbeat_s >= self.interval_s:
@@ -240,7 +244,9 @@ class Broker:
             for worker_id, worker in list(self.pool.workers.items()):
                 if not self._send(self.work, worker_id, [beat]):
                     batches = self.pool.remove(worker_id)
-                    log.warning("worker %s (pid %d) disconnected, held %d batches", worker.name, worker.pid, len(batches))
+                    log.warning(
+                        "worker %s (pid %d) disconnected, held %d batches", worker.name, worker.pid, len(batches)
+                    )
                     for batch in batches:
                         self._fail_batch(batch, f"worker {worker.name} disconnected")
 

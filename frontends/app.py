@@ -13,9 +13,6 @@ import os
 import falcon
 import falcon.asgi
 import msgspec
-
-from zserve.client import AsyncClient
-from zserve.config import FrontendSettings
 from zserve.frontends.resources import (
     Health,
     LiveResource,
@@ -25,6 +22,9 @@ from zserve.frontends.resources import (
     ReadyResource,
     error_serializer,
 )
+
+from zserve.client import AsyncClient
+from zserve.config import FrontendSettings
 from zserve.logs import setup_logging
 from zserve.model import load_handler
 

@@ -9,11 +9,11 @@ from typing import Any
 import falcon
 import falcon.asgi
 import msgspec
+from zserve.frontends import metrics
 
 from zserve import payload
 from zserve.client import AsyncClient
 from zserve.errors import BadRequest, ZserveError
-from zserve.frontends import metrics
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -74,7 +74,9 @@ class PredictResource:
 
     async def _predict(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model) -> int:
         if req.content_length is not None and req.content_length > self.max_body_bytes:
-            set_error(resp, 413, "payload_too_large", f"body of {req.content_length} bytes is over {self.max_body_bytes}")
+            set_error(
+                resp, 413, "payload_too_large", f"body of {req.content_length} bytes is over {self.max_body_bytes}"
+            )
             return 413
         raw = await req.stream.read(self.max_body_bytes + 1)
         if len(raw) > self.max_body_bytes:
@@ -118,7 +120,12 @@ class ModelsResource:
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         data = [
-            {"id": name, "object": "model", "owned_by": "zserve", "handler": type(h).__module__ + ":" + type(h).__name__}
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "zserve",
+                "handler": type(h).__module__ + ":" + type(h).__name__,
+            }
             for name, h in self.handlers.items()
         ]
         resp.data = _json.encode({"object": "list", "data": data})

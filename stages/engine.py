@@ -20,6 +20,7 @@ import traceback
 from typing import Any
 
 import msgspec
+from zserve.stages.runtime import WorkerLink
 
 from zserve import payload
 from zserve.config import ModelConfig
@@ -27,7 +28,6 @@ from zserve.errors import BadRequest, ZserveError
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
 from zserve.protocol import Batch, BatchResult, Status
-from zserve.stages.runtime import WorkerLink
 from zserve.transport import die_with_parent
 
 log = logging.getLogger("zserve.engine")

@@ -104,9 +104,7 @@ class WorkerLink:
             while not self.stop.is_set():
                 if not self.dealer.poll(int(self.interval_s * 1000)):
                     if time.monotonic() - last_broker_s > self.liveness_s:
-                        log.warning(
-                            "%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s
-                        )
+                        log.warning("%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s)
                         self._connect()
                         self._hello()
                         last_broker_s = time.monotonic()

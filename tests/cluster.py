@@ -37,7 +37,7 @@ class Cluster:
 
     def _spawn(self, child) -> subprocess.Popen:
         env = {**child.env, **test_env()}
-        log = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - closed with the process
+        log = open(self.log_dir / f"{child.name}.log", "ab")
         proc = subprocess.Popen(child.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.procs[child.name] = proc

@@ -53,6 +53,7 @@ class Deployment:
         deadline = time.monotonic() + timeout_s
         while not self.ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(timeout_s=30)
                 raise RuntimeError(f"zserve up did not get ready (exit {self.proc.poll()}):\n{self.output}")
         return self
 
@@ -108,4 +109,3 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
-

@@ -53,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
     up.add_argument("--host", default=None, help="override [frontends] host")
     up.add_argument("--port", type=int, default=None, help="override [frontends] port")
-    up.add_argument(
-        "--log-level", default=None, help="DEBUG, INFO (default, or $ZSERVE_LOG_LEVEL), WARNING, ERROR"
-    )
+    up.add_argument("--log-level", default=None, help="DEBUG, INFO (default, or $ZSERVE_LOG_LEVEL), WARNING, ERROR")
     up.set_defaults(func=_up)
 
     check = sub.add_parser("check", help="validate a deployment file and print where its broker listens")

@@ -214,7 +214,16 @@ class Client:
             sock.close(linger=0)
             self._ctx.term()
 
-    def _send_submit(self, sock: zmq.Socket, codec: Codec, future: Any, model: str, frames: list[Any], timeout_ms: int, with_meta: bool) -> None:
+    def _send_submit(
+        self,
+        sock: zmq.Socket,
+        codec: Codec,
+        future: Any,
+        model: str,
+        frames: list[Any],
+        timeout_ms: int,
+        with_meta: bool,
+    ) -> None:
         if not future.set_running_or_notify_cancel():
             return
         req_id = next(self._state.ids)
@@ -296,7 +305,7 @@ class AsyncClient:
         """Send one request and await its Answer. ``decoded=True`` means ``body`` is already the output of
         ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
         the raw output. Cancelling the awaiting task cancels the request in the broker."""
-        sock = self._socket()
+        self._socket()  # created lazily, inside the running loop
         frames = payload.encode(body)
         timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
         req_id = next(self._state.ids)
@@ -304,29 +313,33 @@ class AsyncClient:
         if not self._futures:
             self._state.last_heard_s = time.monotonic()
         self._futures[req_id] = future
-        await sock.send_multipart([self._codec.encode(Submit(req_id, model, timeout_ms or 0, decoded)), *frames])
+        await self._send([self._codec.encode(Submit(req_id, model, timeout_ms or 0, decoded)), *frames])
         try:
             if timeout_ms:
                 reply, reply_frames = await asyncio.wait_for(future, timeout_ms / 1000.0 + _DEADLINE_GRACE_S)
             else:
                 reply, reply_frames = await future
         except asyncio.TimeoutError:
-            await sock.send(self._codec.encode(Cancel(req_id)))
+            await self._send([self._codec.encode(Cancel(req_id))])
             raise DeadlineExceeded("no answer before the deadline") from None
         except asyncio.CancelledError:
             if self._sock is not None and not self._sock.closed:
-                self._sock.send(self._codec.encode(Cancel(req_id)))  # best effort; we are being cancelled
+                # best effort: we are being cancelled, so the send is not awaited
+                self._sock.send(self._codec.encode(Cancel(req_id)), zmq.NOBLOCK)
             raise
         finally:
             self._futures.pop(req_id, None)
         return _answer(reply, reply_frames)
 
+    async def _send(self, frames: list[Any]) -> None:
+        await self._socket().send_multipart(frames, copy=False)
+
     async def health(self, timeout_s: float = 5.0) -> HealthReport:
-        sock = self._socket()
+
         qid = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
         self._health[qid] = future
-        await sock.send(self._codec.encode(HealthQuery(qid)))
+        await self._send([self._codec.encode(HealthQuery(qid))])
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -335,22 +348,22 @@ class AsyncClient:
             self._health.pop(qid, None)
 
     async def _reader(self) -> None:
-        codec = Codec()
-        sock = self._sock
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            msg = codec.decode(frames[0].buffer, "broker")
-            if isinstance(msg, Reply):
-                self._state.heard()
-                future = self._futures.get(msg.req_id)
-                if future is not None and not future.done():
-                    future.set_result((msg, frames[1:]))
-            elif isinstance(msg, HealthReport):
-                if self._state.heard(msg):
-                    self._fail_all(EngineLost("the broker restarted; the request was lost"))
-                waiter = self._health.get(msg.query_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(msg)
+            self._on_message(await self._sock.recv_multipart(copy=False))
+
+    def _on_message(self, frames: list[Any]) -> None:
+        msg = self._codec.decode(frames[0].buffer, "broker")
+        if isinstance(msg, Reply):
+            self._state.heard()
+            future = self._futures.get(msg.req_id)
+            if future is not None and not future.done():
+                future.set_result((msg, frames[1:]))
+        elif isinstance(msg, HealthReport):
+            if self._state.heard(msg):
+                self._fail_all(EngineLost("the broker restarted; the request was lost"))
+            waiter = self._health.get(msg.query_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
 
     async def _watchdog(self) -> None:
         while True:
@@ -361,7 +374,7 @@ class AsyncClient:
             if self._state.silent(now):
                 self._fail_all(BrokerUnavailable(f"the broker at {self.endpoint} stopped answering"))
             elif self._state.ping_due(now):
-                await self._sock.send(self._codec.encode(HealthQuery(0)))
+                await self._send([self._codec.encode(HealthQuery(0))])
 
     def _fail_all(self, exc: ZserveError) -> None:
         for future in self._futures.values():

@@ -153,9 +153,7 @@ def endpoints_for(config: Config, run_dir: Path) -> Endpoints:
     def ipc(name: str) -> str:
         address = f"ipc://{run_dir / name}"
         if len(address) - len("ipc://") > _MAX_IPC_PATH:
-            raise ConfigError(
-                f"supervisor.run_dir: {run_dir} is too long for an ipc socket path; choose a shorter one"
-            )
+            raise ConfigError(f"supervisor.run_dir: {run_dir} is too long for an ipc socket path; choose a shorter one")
         return address
 
     b = config.broker
@@ -186,7 +184,9 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
     def from_config(cls, config: Config, endpoints: Endpoints) -> FrontendSettings:
         return cls(
             client_endpoint=endpoints.client,
-            models=[ServedModel(name=m.name, handler=m.handler, options=m.options, timeout_ms=m.timeout_ms)
-                    for m in config.models],
+            models=[
+                ServedModel(name=m.name, handler=m.handler, options=m.options, timeout_ms=m.timeout_ms)
+                for m in config.models
+            ],
             max_body_bytes=config.frontends.max_body_bytes,
         )

@@ -11,6 +11,7 @@ exits 0 with nothing left running. Every child's output is prefixed with its nam
 from __future__ import annotations
 
 import collections
+import fcntl
 import http.client
 import logging
 import os
@@ -22,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 import msgspec
@@ -63,6 +63,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.gave_up = False
         self.children: list[Child] = []
+        self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
         f = config.frontends
         host = f"[{f.host}]" if ":" in f.host else f.host
         self.url = f"http://{host}:{f.port}"
@@ -92,8 +93,19 @@ class Supervisor:
 
     def broker_child(self) -> Child:
         e = self.endpoints
-        argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", msgspec.json.encode(self.config).decode(),
-                "--client", e.client, "--work", e.work, "--out", e.out]
+        argv = [
+            sys.executable,
+            "-m",
+            "zserve.broker.broker",
+            "--config-json",
+            msgspec.json.encode(self.config).decode(),
+            "--client",
+            e.client,
+            "--work",
+            e.work,
+            "--out",
+            e.out,
+        ]
         return Child("broker", "broker", argv, self._base_env())
 
     def engine_child(self, model: ModelConfig, index: int) -> Child:
@@ -103,11 +115,25 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
             device = "cuda:0"
         b = self.config.broker
-        argv = [sys.executable, "-m", "zserve.stages.engine", "--name", f"engine-{model.name}-{index}",
-                "--model-json", msgspec.json.encode(model).decode(), "--device", device,
-                "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
-                "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
-                "--heartbeat-liveness", str(b.heartbeat_liveness)]
+        argv = [
+            sys.executable,
+            "-m",
+            "zserve.stages.engine",
+            "--name",
+            f"engine-{model.name}-{index}",
+            "--model-json",
+            msgspec.json.encode(model).decode(),
+            "--device",
+            device,
+            "--work-endpoint",
+            self.endpoints.work,
+            "--out-endpoint",
+            self.endpoints.out,
+            "--heartbeat-interval-ms",
+            str(b.heartbeat_interval_ms),
+            "--heartbeat-liveness",
+            str(b.heartbeat_liveness),
+        ]
         return Child(f"engine-{model.name}-{index}", "engine", argv, env)
 
     def frontend_child(self) -> Child:
@@ -119,12 +145,31 @@ class Supervisor:
         metrics_dir.mkdir(mode=0o700)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         host = f"[{f.host}]" if ":" in f.host else f.host
-        argv = [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(f.workers),
-                "--bind", f"{host}:{f.port}", "--no-control-socket",
-                "--graceful-timeout", str(int(f.graceful_timeout_s)), "--asgi-disconnect-grace-period", "0",
-                "--keep-alive", "5", "--error-logfile", "-",
-                "--pid", str(self.run_dir / "gunicorn.pid"),
-                "-c", "python:zserve.frontends.gunicorn_conf", "zserve.frontends.app:create_app()"]
+        argv = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--worker-class",
+            "asgi",
+            "--workers",
+            str(f.workers),
+            "--bind",
+            f"{host}:{f.port}",
+            "--no-control-socket",
+            "--graceful-timeout",
+            str(int(f.graceful_timeout_s)),
+            "--asgi-disconnect-grace-period",
+            "0",
+            "--keep-alive",
+            "5",
+            "--error-logfile",
+            "-",
+            "--pid",
+            str(self.run_dir / "gunicorn.pid"),
+            "-c",
+            "python:zserve.frontends.gunicorn_conf",
+            "zserve.frontends.app:create_app()",
+        ]
         return Child("frontend", "frontend", argv, env)
 
     def start(self, child: Child) -> None:
@@ -160,8 +205,11 @@ class Supervisor:
             while child.restarts and now - child.restarts[0] > s.restart_window_s:
                 child.restarts.popleft()
             if len(child.restarts) >= s.max_restarts:
-                self.say("supervisor", f"ERROR {child.name} exited with code {code} and was restarted "
-                         f"{len(child.restarts)} times in {s.restart_window_s:.0f}s: giving up, stopping everything")
+                self.say(
+                    "supervisor",
+                    f"ERROR {child.name} exited with code {code} and was restarted "
+                    f"{len(child.restarts)} times in {s.restart_window_s:.0f}s: giving up, stopping everything",
+                )
                 self.gave_up = True
                 self.stopping.set()
                 return
@@ -177,7 +225,9 @@ class Supervisor:
             if self.stopping.is_set():
                 raise StartupError(f"stopped while waiting for {what}")
             if time.monotonic() > deadline:
-                raise StartupError(f"timed out after {self.config.supervisor.startup_timeout_s:.0f}s waiting for {what}")
+                raise StartupError(
+                    f"timed out after {self.config.supervisor.startup_timeout_s:.0f}s waiting for {what}"
+                )
             self.tick()
             time.sleep(_TICK_S)
 
@@ -205,19 +255,23 @@ class Supervisor:
     # ---- lifecycle ----
 
     def _prepare_run_dir(self) -> None:
-        client_sock = self.run_dir / "client.sock"
-        if client_sock.exists():
-            with Client(self.endpoints.client) as probe:
-                try:
-                    probe.health(timeout_s=1.0)
-                except BrokerUnavailable:
-                    pass
-                else:
-                    raise StartupError(f"a zserve deployment is already running from {self.run_dir}")
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.run_dir.stat().st_uid != os.getuid():
             raise StartupError(f"run dir {self.run_dir} belongs to another user")
         self.run_dir.chmod(0o700)
+        # One supervisor per run dir, for as long as it lives: a second one would steal the sockets.
+        self._lock = open(self.run_dir / "supervisor.lock", "a+")  # held until exit
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            owner = self._lock.read().strip() or "?"
+            self._lock.close()
+            self._lock = None
+            raise StartupError(f"a zserve deployment (pid {owner}) is already running from {self.run_dir}") from None
+        self._lock.truncate(0)
+        self._lock.write(str(os.getpid()))
+        self._lock.flush()
         for stale in self.run_dir.glob("*.sock"):
             stale.unlink()
 
@@ -298,5 +352,7 @@ class Supervisor:
                     pass
             if child.pump is not None:
                 child.pump.join(timeout=2)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._lock is not None:  # never remove a run dir that another supervisor owns
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._lock.close()
         self.say("supervisor", "stopped" + (" (gave up)" if self.gave_up else ""))

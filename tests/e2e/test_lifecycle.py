@@ -39,6 +39,11 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
     run_dir = run_dir_for(load_config(path), path)
     assert run_dir.stat().st_mode & 0o777 == 0o700
 
+    second = Deployment(path)  # same config, same run dir: must refuse, not steal the sockets
+    assert second.proc.wait(timeout=60) == 1
+    second._reader.join(timeout=5)
+    assert f"(pid {d.proc.pid}) is already running" in second.output
+
     engine = next(p for p in children if "zserve.stages.engine" in " ".join(p.cmdline()))
     engine.send_signal(signal.SIGKILL)
     d.wait_for_line("engine-m-0 exited with code -9; restarting")
@@ -65,7 +70,9 @@ def test_an_engine_that_cannot_start_makes_the_supervisor_give_up_loudly(tmp_pat
 
 
 def test_bad_config_exits_non_zero_naming_the_key(tmp_path):
-    path = write_config(tmp_path, ONE_MODEL.format(port=free_port(), handler="x:Y", max_restarts=1) + "max_wait_ms = -1\n")
+    path = write_config(
+        tmp_path, ONE_MODEL.format(port=free_port(), handler="x:Y", max_restarts=1) + "max_wait_ms = -1\n"
+    )
     run = subprocess.run(
         [sys.executable, "-m", "zserve.cli", "up", "-c", str(path)], capture_output=True, text=True, timeout=60
     )

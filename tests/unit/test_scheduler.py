@@ -26,7 +26,7 @@ def test_idle_worker_takes_a_lone_request_at_once():
 
 
 def test_busy_worker_waits_for_a_full_batch_by_count():
-    s, pool = make(max_batch_size=4)
+    s, _ = make(max_batch_size=4)
     fill(s, range(1), 0.0)
     s.pop_batches(0.0)  # the worker is now busy with one batch, one credit left
     fill(s, range(1, 4), 0.001)

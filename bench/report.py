@@ -1,0 +1,102 @@
+"""The table, the JSON file and (when matplotlib is installed) the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from measure import INPROCESS, SCENARIOS, Measurement
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.1e}"
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"{value:.1e}"
+
+
+def format_table(results: list[Measurement]) -> str:
+    header = ("scenario", "model", "conc", "QPS", "p50 ms", "p99 ms", "x naive", "x limit", "errors", "note")
+    rows = []
+    order = {s: i for i, s in enumerate(SCENARIOS)}
+    for m in sorted(results, key=lambda m: (m.model, order.get(m.scenario, 99), m.concurrency or 0)):
+        if m.scenario == INPROCESS:
+            conc = f"b{m.batch}"
+            note = f"items/s; p50/p99 = call time of a batch of {m.batch}"
+        else:
+            conc = str(m.concurrency)
+            batch = m.detail.get("mean_batch_size")
+            note = f"mean batch {batch:.1f}" if batch else ""
+        rows.append(
+            (
+                m.scenario,
+                m.model,
+                conc,
+                _number(m.qps),
+                _number(m.p50_ms),
+                _number(m.p99_ms),
+                _ratio(m.vs_naive),
+                _ratio(m.vs_limit),
+                str(m.errors),
+                note,
+            )
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    numeric = {2, 3, 4, 5, 6, 7, 8}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)]).rstrip()
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def write_plot(path: Path, results: list[Measurement]) -> bool:
+    """QPS against concurrency, one panel per model, the in-process limit as a dashed line. False (quietly)
+    when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = sorted({m.model for m in results})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for scenario in SCENARIOS:
+            if scenario == INPROCESS:
+                continue
+            points = sorted((m.concurrency, m.qps) for m in results if m.model == model and m.scenario == scenario)
+            if points:
+                ax.plot([c for c, _ in points], [q for _, q in points], marker="o", label=scenario)
+        limit = next((m for m in results if m.model == model and m.scenario == INPROCESS), None)
+        if limit is not None:
+            ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (closed loop)")
+        ax.set_ylabel("requests/s")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

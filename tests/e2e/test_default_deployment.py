@@ -1,0 +1,42 @@
+"""The deployment `make serve` runs (supervisor.toml at the repo root), on a free port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deployment import Deployment, free_port
+
+import zserve
+from zserve.models.embedding import SentenceEmbedding
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def default_deployment():
+    d = Deployment(REPO / "supervisor.toml", "--port", str(free_port())).wait_ready(timeout_s=300)
+    yield d
+    assert d.stop() == 0, d.output
+
+
+def test_echo_and_embeddings_over_http_and_the_direct_client(default_deployment):
+    d = default_deployment
+    status, _, body = d.request("POST", "/v1/models/echo/predict", {"hello": ["world", 1]})
+    assert status == 200 and body == {"hello": ["world", 1]}
+
+    status, headers, body = d.request("POST", "/v1/models/minilm/predict", {"text": "hello world"})
+    assert status == 200 and int(headers["x-zserve-batch-size"]) >= 1
+    reference = SentenceEmbedding()
+    reference.setup("cpu")
+    expected = reference.predict(["hello world"])[0]
+    np.testing.assert_allclose(np.array(body["embedding"]), expected, atol=1e-5)
+
+    with zserve.Client.from_config(REPO / "supervisor.toml") as client:
+        assert client.predict("echo", {"direct": True}) == {"direct": True}
+        direct = client.predict("minilm", {"text": "hello world"})
+        np.testing.assert_allclose(np.array(direct["embedding"]), expected, atol=1e-5)
+        with pytest.raises(zserve.BadRequest) as info:
+            client.predict("minilm", {"text": 42})
+        assert info.value.field == "text"
