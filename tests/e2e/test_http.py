@@ -39,7 +39,7 @@ handler = "testmodels:Recorder"
 max_batch_size = 1
 credits = 1
 [models.options]
-delay_s = 1.5
+delay_s = 3.0
 log_path = "{log_path}"
 
 [[models]]
@@ -146,7 +146,7 @@ def test_a_client_that_disconnects_cancels_its_request(deployment):
     computed = deployment.config_path.parent / "computed.txt"
     busy = threading.Thread(target=deployment.request, args=("POST", "/v1/models/recorded/predict", '"first"'))
     busy.start()
-    _wait_gauge(deployment, "zserve_in_flight", "recorded", 1.0)  # "first" holds the only engine for 1.5 s
+    _wait_gauge(deployment, "zserve_in_flight", "recorded", 1.0)  # "first" holds the only engine for 3 s
     host, port = deployment.url.removeprefix("http://").rsplit(":", 1)
     body = b'"abandoned"'
     with socket.create_connection((host, int(port))) as sock:
