@@ -179,3 +179,19 @@ def test_broker_restart_fails_pending_requests_and_engines_re_register(cluster_f
     c.wait_ready({"slow": 1}, timeout_s=30)  # the engine noticed and registered again
     assert client.predict("slow", "again")["echo"] == "again"
     assert os.path.exists(c.run_dir)
+
+
+def test_client_endpoint_may_be_tcp_and_from_config_finds_it(cluster_factory, tmp_path):
+    from deployment import free_port
+
+    port = free_port()
+    toml = f'[broker]\nclient_endpoint = "tcp://127.0.0.1:{port}"\n' + SLOW.format(delay=0.0).replace("[broker]", "")
+    c = cluster_factory(toml)
+    c.start_broker()
+    c.start_engine("slow", 0)
+    c.wait_ready({"slow": 1})
+    path = tmp_path / "tcp.toml"
+    path.write_text(toml)
+    with zserve.Client.from_config(path) as client:
+        assert client.endpoint == f"tcp://127.0.0.1:{port}"
+        assert client.predict("slow", "over tcp")["echo"] == "over tcp"
