@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zserve.config import ConfigError, load_config
+from zserve.config import Config, ConfigError, endpoints_for, load_config, run_dir_for
+
+
+def _load(path: str) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return None
 
 
 def _up(args: argparse.Namespace) -> int:
     from zserve.logs import setup_logging
     from zserve.supervisor import Supervisor
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"zserve: {exc}", file=sys.stderr)
+    config = _load(args.config)
+    if config is None:
         return 2
     if args.port is not None:
         config.frontends.port = args.port
@@ -26,13 +32,9 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"zserve: {exc}", file=sys.stderr)
+    config = _load(args.config)
+    if config is None:
         return 2
-    from zserve.config import endpoints_for, run_dir_for
-
     run_dir = run_dir_for(config, args.config)
     print(f"{args.config}: ok; {len(config.models)} model(s): {', '.join(m.name for m in config.models)}")
     print(f"run dir {run_dir}; broker client endpoint {endpoints_for(config, run_dir).client}")
