@@ -10,11 +10,12 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from measure import Measurement, percentile
+from measure import DIRECT, Measurement, percentile
 from zserve.client import AsyncClient
 from zserve.errors import ZserveError
 
@@ -92,7 +93,12 @@ def run_wrk(url: str, lua: Path, concurrency: int, duration_s: float) -> dict[st
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + WRK_TIMEOUT_S + 30, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
-            return json.loads(line[len(_MARK) :])
+            stats = json.loads(line[len(_MARK) :])
+            if stats["duration_us"] < 0.8e6 * max(1, round(duration_s)):  # wrk stops early only when interrupted
+                raise LoadError(
+                    f"wrk stopped after {stats['duration_us'] / 1e6:.1f}s of {duration_s:g}s (interrupted?)"
+                )
+            return stats
     raise LoadError(f"{' '.join(argv)} exited {proc.returncode} without a result:\n{proc.stdout}\n{proc.stderr}")
 
 
@@ -152,18 +158,25 @@ async def _closed_loop(
 
 
 async def _direct(
-    config_path: Path, model: str, body: Any, concurrency: int, duration_s: float, warmup_s: float
+    config_path: Path,
+    model: str,
+    body: Any,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    before_measuring: Callable[[], None],
 ) -> Measurement:
     async with AsyncClient.from_config(config_path) as client:
         if warmup_s > 0:
             await _closed_loop(client, model, body, concurrency, warmup_s)
+        before_measuring()
         latencies, batch_sizes, queue_ms, errors, elapsed = await _closed_loop(
             client, model, body, concurrency, duration_s
         )
     latencies.sort()
     n = len(latencies)
     return Measurement(
-        scenario="zserve-direct",
+        scenario=DIRECT,
         model=model,
         concurrency=concurrency,
         qps=n / elapsed if elapsed > 0 else 0.0,
@@ -180,11 +193,18 @@ async def _direct(
 
 
 def measure_direct(
-    config_path: Path, model: str, body: Any, concurrency: int, duration_s: float, warmup_s: float
+    config_path: Path,
+    model: str,
+    body: Any,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    before_measuring: Callable[[], None] = lambda: None,
 ) -> Measurement:
     """C concurrent coroutines on one AsyncClient in this process, each sending its next request as soon as the
-    last one is answered (uvloop, as the frontends use, when it is installed)."""
-    coro = _direct(config_path, model, body, concurrency, duration_s, warmup_s)
+    last one is answered (uvloop, as the frontends use, when it is installed). ``before_measuring`` runs between
+    the warm-up and the measured run."""
+    coro = _direct(config_path, model, body, concurrency, duration_s, warmup_s, before_measuring)
     try:
         import uvloop
     except ImportError:

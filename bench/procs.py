@@ -1,14 +1,16 @@
 """Child processes that are always stopped: servers under test and helpers.
 
 Every child runs in its own session (so a Ctrl-C in the terminal reaches only the bench, which then stops
-the children in order). ``Managed.close`` sends the polite signal, waits, then SIGKILLs the child's process
-group and any descendant recorded while it ran; an ``atexit`` hook closes whatever is still open.
+the children in order) and gets SIGTERM from the kernel should the bench die without cleaning up (SIGKILL).
+``Managed.close`` sends the polite signal, waits, then SIGKILLs the child's process group and any descendant
+recorded while it ran; an ``atexit`` hook closes whatever is still open.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import http.client
 import os
 import re
@@ -27,9 +29,17 @@ from bench_paths import BENCH, VENV_BIN
 from catalog import thread_env
 
 _open: list[Managed] = []
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 # Output lines worth reporting after a run (a server that logs errors under load is part of the result).
 NOTABLE = re.compile(r"ERROR|CRITICAL|Traceback|WARNING|exited with code|restarting|did not stop|killing", re.I)
 MAX_NOTABLE = 200
+
+
+def _die_with_us() -> None:
+    """In the child, before exec: SIGTERM it when the bench dies, even by SIGKILL (Linux only)."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 class ProcessError(RuntimeError):
@@ -47,6 +57,10 @@ class Stopped(BaseException):
 
 
 def stop_on_signals() -> None:
+    """SIGTERM/SIGHUP raise Stopped; SIGINT raises KeyboardInterrupt even where it was inherited as ignored (a
+    background job of a non-interactive shell)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise Stopped(signal.Signals(signum).name)
 
@@ -64,11 +78,13 @@ class Managed:
         env: dict[str, str] | None = None,
         stop_timeout_s: float = 30.0,
         echo: bool = False,
+        stop_signal: signal.Signals = signal.SIGTERM,
     ) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.stop_timeout_s = stop_timeout_s
+        self.stop_signal = stop_signal
         self.echo = echo
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
@@ -95,6 +111,7 @@ class Managed:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_us,  # only a prctl call, through a libc loaded before the fork
         )
         _open.append(self)
         self._pump = threading.Thread(target=self._read, name=f"pump-{self.name}", daemon=True)
@@ -168,11 +185,9 @@ class Managed:
         except psutil.Error:
             pass
 
-    def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
-        """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
-        over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
+    def _processes(self) -> list[psutil.Process]:
+        """The child and every live descendant recorded so far."""
         self.record_family()
-        started = time.monotonic()
         procs = []
         for pid, created in [(self.proc.pid, None), *self._family.items()] if self.proc else []:
             try:
@@ -181,21 +196,27 @@ class Managed:
                     procs.append(proc)
             except psutil.Error:
                 pass
+        return procs
 
-        def cpu_seconds() -> float:
-            total = 0.0
-            for proc in procs:
-                try:
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-                except psutil.Error:
-                    pass
-            return total
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by the child and its descendants, summed by role."""
+        totals: dict[str, float] = collections.defaultdict(float)
+        for proc in self._processes():
+            try:
+                times = proc.cpu_times()
+                totals[role_of(proc.cmdline())] += times.user + times.system
+            except psutil.Error:
+                pass
+        return dict(totals)
 
-        before = cpu_seconds()
+    def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
+        """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
+        over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
+        started = time.monotonic()
+        before = sum(self.cpu_by_role().values())
         while time.monotonic() - started < timeout_s:
             time.sleep(window_s)
-            after = cpu_seconds()
+            after = sum(self.cpu_by_role().values())
             if after - before < max_cores * window_s:
                 break
             before = after
@@ -210,11 +231,12 @@ class Managed:
             self.record_family()
             if self.proc.poll() is None:
                 try:
-                    self.proc.send_signal(signal.SIGTERM)
+                    self.proc.send_signal(self.stop_signal)
                     self.proc.wait(timeout=self.stop_timeout_s)
                 except subprocess.TimeoutExpired:
                     print(
-                        f"bench: {self.name} did not stop in {self.stop_timeout_s:.0f}s after SIGTERM: killing it",
+                        f"bench: {self.name} did not stop in {self.stop_timeout_s:.0f}s after "
+                        f"{self.stop_signal.name}: killing it",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -272,6 +294,20 @@ class Managed:
 def _close_all() -> None:
     for managed in list(reversed(_open)):
         managed.close()
+
+
+def role_of(cmdline: list[str]) -> str:
+    """What a server process is, from its command line: broker, engine-MODEL, gunicorn, supervisor."""
+    text = " ".join(cmdline)
+    if "zserve.broker" in text:
+        return "broker"
+    if match := re.search(r"--name engine-(\S+)-\d+", text):
+        return f"engine-{match.group(1)}"
+    if "gunicorn" in text:
+        return "gunicorn"
+    if "zserve" in text:
+        return "supervisor"
+    return "other"
 
 
 def http_status(host: str, port: int, path: str, timeout_s: float = 2.0) -> int | None:
@@ -338,7 +374,8 @@ def naive_up(
         str(BENCH),
         "naive_app:create_app()",
     ]
-    managed = Managed("naive", argv, env=env, stop_timeout_s=20.0, echo=echo)
+    # SIGINT is gunicorn's quick shutdown: what a worker still has queued from the last run is not worth waiting for.
+    managed = Managed("naive", argv, env=env, stop_timeout_s=20.0, echo=echo, stop_signal=signal.SIGINT)
     managed.start()
     try:
         deadline = time.monotonic() + 600

@@ -79,20 +79,26 @@ def write_plot(path: Path, results: list[Measurement]) -> bool:
     models = sorted({m.model for m in results})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
+        title, top = model, 0.0
         for scenario in SCENARIOS:
             if scenario == INPROCESS:
                 continue
             points = sorted((m.concurrency, m.qps) for m in results if m.model == model and m.scenario == scenario)
             if points:
                 ax.plot([c for c, _ in points], [q for _, q in points], marker="o", label=scenario)
+                top = max([top, *(q for _, q in points)])
         limit = next((m for m in results if m.model == model and m.scenario == INPROCESS), None)
-        if limit is not None:
+        if limit is not None and top and limit.qps > 50 * top:  # echo's limit would flatten every other line
+            title += f"  (in-process b{limit.batch}: {limit.qps:.2g}/s, off the scale)"
+        elif limit is not None:
             ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
+        concurrency = sorted({m.concurrency for m in results if m.model == model and m.concurrency})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrency, [str(c) for c in concurrency])
         ax.set_yscale("log")
         ax.set_xlabel("concurrency (closed loop)")
         ax.set_ylabel("requests/s")
-        ax.set_title(model)
+        ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -7,17 +7,20 @@ worker writes its samples there and ``/metrics``, served by any worker, aggregat
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
     multiprocess,
 )
+from prometheus_client.core import GaugeMetricFamily
+
+from zserve.protocol import HealthReport
 
 REQUESTS = Counter("zserve_requests_total", "Predict requests answered, by model and HTTP code", ["model", "code"])
 BATCH_SIZE = Histogram(
@@ -38,31 +41,46 @@ QUEUE_WAIT = Histogram(
     ["model"],
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
 )
-QUEUE_DEPTH = Gauge(
-    "zserve_queue_depth",
-    "Requests waiting in the broker's queue (read from the broker at scrape time)",
-    ["model"],
-    multiprocess_mode="mostrecent",
-)
-IN_FLIGHT = Gauge(
-    "zserve_in_flight",
-    "Requests dispatched to engines and not yet answered (read from the broker at scrape time)",
-    ["model"],
-    multiprocess_mode="mostrecent",
-)
-READY_ENGINES = Gauge(
-    "zserve_ready_engines",
-    "Engines registered with the broker (read at scrape time)",
-    ["model"],
-    multiprocess_mode="mostrecent",
-)
+
+
+class BrokerCollector:
+    """Gauges read from the broker's latest health report at scrape time (the broker has no HTTP port)."""
+
+    def __init__(self, report: HealthReport | None) -> None:
+        self.report = report
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.report is None:
+            return
+        depth = GaugeMetricFamily("zserve_queue_depth", "Requests waiting in the broker's queue", labels=["model"])
+        in_flight = GaugeMetricFamily(
+            "zserve_in_flight", "Requests dispatched to engines and not yet answered", labels=["model"]
+        )
+        ready = GaugeMetricFamily("zserve_ready_engines", "Engines registered with the broker", labels=["model"])
+        for m in self.report.models:
+            depth.add_metric([m.name], m.queue_depth)
+            in_flight.add_metric([m.name], m.in_flight)
+            ready.add_metric([m.name], m.ready_workers)
+        yield from (depth, in_flight, ready)
+
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def render() -> bytes:
+def render(report: HealthReport | None) -> bytes:
+    """This process's metrics (all workers' in multiprocess mode) plus the broker's gauges."""
+    registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry)
-    return generate_latest(REGISTRY)
+    else:
+        registry.register(_Forward(REGISTRY))
+    registry.register(BrokerCollector(report))
+    return generate_latest(registry)
+
+
+class _Forward:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator:
+        return self.registry.collect()

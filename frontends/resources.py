@@ -46,9 +46,9 @@ class Health:
         self._report: HealthReport | None = None
         self._at = 0.0
 
-    async def report(self) -> HealthReport | None:
+    async def report(self, max_age_s: float = READY_CACHE_S) -> HealthReport | None:
         now = time.monotonic()
-        if self._report is None or now - self._at > READY_CACHE_S:
+        if self._report is None or now - self._at > max_age_s:
             try:
                 self._report = await self.client.health(timeout_s=1.0)
             except ZserveError:
@@ -162,13 +162,8 @@ class MetricsResource:
         self.health = health
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        report = await self.health.report()
-        if report is not None:
-            for m in report.models:
-                metrics.QUEUE_DEPTH.labels(m.name).set(m.queue_depth)
-                metrics.IN_FLIGHT.labels(m.name).set(m.in_flight)
-                metrics.READY_ENGINES.labels(m.name).set(m.ready_workers)
-        resp.data = metrics.render()
+        # Fresh at every scrape (scrapes are rare; load balancers poll /readyz, which uses the cache).
+        resp.data = metrics.render(await self.health.report(max_age_s=0.0))
         resp.content_type = metrics.CONTENT_TYPE
 
 
