@@ -47,6 +47,7 @@ from zserve.transport import die_with_parent, make_socket
 
 log = logging.getLogger("zserve.broker")
 
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: combining zmq's Flag enums costs more than the send
 _DRAIN_LIMIT = 512  # messages read from one socket per loop turn, so no socket starves the others
 
 
@@ -79,7 +80,7 @@ class Broker:
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
         try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            sock.send_multipart([identity, *frames], _NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading
             log.info("cannot send to %r: %s", identity, exc.strerror)
@@ -190,7 +191,7 @@ class Broker:
                 continue  # answered already (deadline, cancel)
             self._reply(
                 request,
-                Status(status),
+                status,  # already a Status: the decoder typed it
                 message,
                 field=field,
                 batch_size=size,
@@ -278,7 +279,7 @@ class Broker:
     def _drain(self, sock: zmq.Socket, handle: Any) -> None:
         for _ in range(_DRAIN_LIMIT):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
             handle(frames, time.monotonic())

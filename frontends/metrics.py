@@ -35,12 +35,6 @@ LATENCY = Histogram(
     ["model"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
-QUEUE_WAIT = Histogram(
-    "zserve_queue_wait_seconds",
-    "Time a request waited in the broker before dispatch to an engine",
-    ["model"],
-    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
-)
 
 
 class BrokerCollector:
@@ -65,6 +59,26 @@ class BrokerCollector:
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ModelMetrics:
+    """The per-request metrics of one model, with label children resolved once (labels() costs a lock and
+    a dict lookup per call)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.batch_size = BATCH_SIZE.labels(model)
+        self.latency = LATENCY.labels(model)
+        self._codes: dict[int, Counter] = {}
+
+    def answered(self, code: int, latency_s: float, batch_size: int = 0) -> None:
+        counter = self._codes.get(code)
+        if counter is None:
+            counter = self._codes[code] = REQUESTS.labels(self.model, str(code))
+        counter.inc()
+        self.latency.observe(latency_s)
+        if batch_size:
+            self.batch_size.observe(batch_size)
 
 
 def render(report: HealthReport | None) -> bytes:

@@ -62,56 +62,57 @@ class PredictResource:
         self.client = client
         self.handlers = handlers
         self.max_body_bytes = max_body_bytes
+        self.metrics = {name: metrics.ModelMetrics(name) for name in handlers}
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str) -> None:
         started = time.perf_counter()
         handler = self.handlers.get(name)
         if handler is None:
             return set_error(resp, 404, "unknown_model", f"no model named {name!r}; see GET /v1/models")
-        code = await self._predict(req, resp, name, handler)
-        metrics.REQUESTS.labels(name, str(code)).inc()
-        metrics.LATENCY.labels(name).observe(time.perf_counter() - started)
+        code, batch_size = await self._predict(req, resp, name, handler)
+        self.metrics[name].answered(code, time.perf_counter() - started, batch_size)
 
-    async def _predict(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model) -> int:
+    async def _predict(
+        self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model
+    ) -> tuple[int, int]:
+        """(HTTP status, batch size)."""
         if req.content_length is not None and req.content_length > self.max_body_bytes:
             set_error(
                 resp, 413, "payload_too_large", f"body of {req.content_length} bytes is over {self.max_body_bytes}"
             )
-            return 413
+            return 413, 0
         raw = await req.stream.read(self.max_body_bytes + 1)
         if len(raw) > self.max_body_bytes:
             set_error(resp, 413, "payload_too_large", f"body is over {self.max_body_bytes} bytes")
-            return 413
+            return 413, 0
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             set_error(resp, 400, "bad_request", f"body is not valid JSON: {exc}", "body")
-            return 400
+            return 400, 0
         try:
             item = handler.decode_request(body)
         except BadRequest as exc:
             set_error(resp, 400, exc.type_name, exc.message, exc.field)
-            return 400
+            return 400, 0
         except Exception as exc:
             set_error(resp, 400, "bad_request", f"decode_request rejected the body: {type(exc).__name__}: {exc}")
-            return 400
+            return 400, 0
         try:
             answer = await self.client.infer(name, item, decoded=True)
         except ZserveError as exc:
             set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
-            return exc.http_status
+            return exc.http_status, 0
         try:
             resp.data = _json.encode(handler.encode_response(answer.value))
         except Exception as exc:
             log.exception("encode_response failed for model %s", name)
             set_error(resp, 500, "model_error", f"encode_response raised {type(exc).__name__}: {exc}")
-            return 500
+            return 500, 0
         resp.content_type = falcon.MEDIA_JSON
         resp.set_header("X-Zserve-Batch-Size", str(answer.batch_size))
         resp.set_header("X-Zserve-Queue-Ms", f"{answer.queue_ms:.3f}")
-        metrics.BATCH_SIZE.labels(name).observe(answer.batch_size)
-        metrics.QUEUE_WAIT.labels(name).observe(answer.queue_ms / 1000.0)
-        return 200
+        return 200, answer.batch_size
 
 
 class ModelsResource:
