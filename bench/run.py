@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "workers (default: each model's `threads` in the config)",
     )
     parser.add_argument(
+        "--naive-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per naive worker (default: cores // workers, at least 1: the naive "
+        "baseline's own best setting, each worker on its share of the cores)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -110,6 +117,7 @@ def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk
         "python": platform.python_version(),
         "wrk": wrk,
         "torch_threads": {p.name: p.threads for p in plans},
+        "naive_torch_threads": args.naive_threads,
         "frontend_workers": config.frontends.workers,
         "duration_s": args.duration_s,
         "warmup_s": args.warmup_s,
@@ -130,8 +138,9 @@ def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk
     threads = ", ".join(f"{p.name}={p.threads}" for p in plans)
     print(f"zserve bench  {meta['date']}  git {meta['git']}  python {meta['python']}  {wrk or 'wrk not used'}")
     print(
-        f"machine: {meta['cpu_cores']} CPU cores;  torch threads: {threads} (engines, in-process limit and naive "
-        f"workers alike);  frontends: {config.frontends.workers} gunicorn workers (zserve and naive alike)"
+        f"machine: {meta['cpu_cores']} CPU cores;  torch threads: {threads} (zserve engines and the in-process "
+        f"limit), {args.naive_threads} per naive worker;  frontends: {config.frontends.workers} gunicorn workers "
+        "(zserve and naive alike)"
     )
     print(
         f"runs: {args.duration_s:g}s measured after {args.warmup_s:g}s warm-up;  concurrency {args.concurrency};  "
@@ -158,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     config, plans = plan_models(args.config, args.models, args.threads)
     if args.workers is not None:
         config.frontends.workers = args.workers
+    if args.naive_threads is None:
+        args.naive_threads = max(1, cpu_count() // config.frontends.workers)
     meta = header(config, plans, args, wrk)
 
     interrupted, failure = False, None
@@ -165,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp) / "supervisor.toml"
         config_path.write_text(deployment_toml(config, free_port()))
         session = scenarios.Session(config, config_path, plans, Path(tmp), args.concurrency, args.duration_s,
-                                    args.warmup_s, args.scenarios, args.verbose)  # fmt: skip
+                                    args.warmup_s, args.scenarios, args.naive_threads, args.verbose)  # fmt: skip
         try:
             scenarios.run_all(session)
         except (KeyboardInterrupt, Stopped) as exc:

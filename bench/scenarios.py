@@ -35,6 +35,7 @@ class Session:
     duration_s: float
     warmup_s: float
     scenarios: list[str]
+    naive_threads: int = 1  # torch threads per naive worker
     verbose: bool = False
     results: list[Measurement] = field(default_factory=list)
     rtt: dict[str, float] | None = None
@@ -180,7 +181,7 @@ def run_zserve(s: Session) -> None:
 
 def run_naive(s: Session) -> None:
     workers = s.config.frontends.workers
-    threads = max(p.threads for p in s.plans)
+    threads = s.naive_threads
     print(f"starting the naive baseline ({workers} gunicorn workers, {threads} torch thread(s) each) ...", flush=True)
     names = [p.name for p in s.plans]
     server, base_url = naive_up(
