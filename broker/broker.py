@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 import zmq
-from zserve.broker.requests import Request, RequestTable
-from zserve.broker.scheduler import Admission, BatchPolicy, Scheduler
-from zserve.broker.workers import InFlightBatch, WorkerPool
 
+from zserve.broker.requests import Request, RequestTable
+from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
+from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, WorkerPool
 from zserve.config import Config, Endpoints
 from zserve.logs import setup_logging
 from zserve.protocol import (
@@ -52,15 +52,18 @@ _DRAIN_LIMIT = 512  # messages read from one socket per loop turn, so no socket 
 
 
 class Broker:
-    def __init__(self, config: Config, endpoints: Endpoints) -> None:
+    def __init__(self, config: Config, endpoints: Endpoints, staged: frozenset[str] = frozenset()) -> None:
         self.config = config
         self.epoch = random.getrandbits(48)
         b = config.broker
         self.interval_s = b.heartbeat_interval_ms / 1000.0
         self.pool = WorkerPool(liveness_s=self.interval_s * b.heartbeat_liveness)
         self.scheduler = Scheduler(
-            {m.name: BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue) for m in config.models}, self.pool
+            {m.name: BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue) for m in config.models},
+            self.pool,
+            staged,
         )
+        self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.requests = RequestTable()
         self.codec = Codec()
@@ -179,6 +182,10 @@ class Broker:
         if batch is None:
             log.info("dropped late result of batch %d from %s", msg.batch_id, msg.worker)
             return
+        key = (batch.model, batch.role)
+        self.busy_s[key] = self.busy_s.get(key, 0.0) + msg.compute_ms / 1000.0
+        if batch.role == PREPROCESS:
+            return self.on_preprocessed(batch, msg, frames)
         offset = 0
         size = len(batch.item_ids)
         for item_id, status, message, field, count in zip(
@@ -200,19 +207,39 @@ class Broker:
                 frames=item_frames,
             )
 
+    def on_preprocessed(self, batch: InFlightBatch, msg: BatchResult, frames: list[zmq.Frame]) -> None:
+        """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines."""
+        ready: list[int] = []
+        for item_id, status, message, field in zip(
+            batch.item_ids, msg.statuses, msg.messages, msg.fields, strict=False
+        ):
+            request = self.requests.get(item_id)
+            if request is None or request.batch_id != msg.batch_id:
+                continue
+            if status == Status.OK:
+                request.batch_id = 0  # waiting for an engine
+                ready.append(item_id)
+            else:
+                self._reply(request, status, message, field=field, batch_size=len(batch.item_ids))
+        if ready and msg.prepared_frames:
+            self.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
+
     # ---- periodic work ----
 
     def dispatch(self, now: float) -> None:
         for d in self.scheduler.pop_batches(now):
-            requests = [self.requests.get(i) for i in d.item_ids]
-            frames: list[Any] = []
-            for r in requests:
-                r.batch_id = d.batch_id
-                r.dispatched_s = now
-                frames.extend(r.frames)
-            header = Batch(
-                d.batch_id, d.model, d.item_ids, [len(r.frames) for r in requests], [r.decoded for r in requests]
-            )
+            if d.prepared is not None:
+                header, frames = self._prepared_batch(d)
+            else:
+                requests = [self.requests.get(i) for i in d.item_ids]
+                frames = []
+                for r in requests:
+                    r.batch_id = d.batch_id
+                    r.dispatched_s = now
+                    frames.extend(r.frames)
+                header = Batch(
+                    d.batch_id, d.model, d.item_ids, [len(r.frames) for r in requests], [r.decoded for r in requests]
+                )
             if not self._send(self.work, d.worker.worker_id, [self.codec.encode(header), *frames]):
                 # Never delivered: put the items back untouched and forget the worker.
                 log.warning("worker %s (pid %d) disconnected before batch %d", d.worker.name, d.worker.pid, d.batch_id)
@@ -225,6 +252,16 @@ class Broker:
                         if request is not None:
                             request.batch_id = 0
                             self.scheduler.requeue(batch.model, item_id, request.arrived_s)
+
+    def _prepared_batch(self, d: Dispatch) -> tuple[Batch, list[Any]]:
+        decoded = []
+        for item_id in d.item_ids:
+            request = self.requests.get(item_id)
+            if request is not None:  # answered meanwhile (deadline, cancel): computed, its result dropped
+                request.batch_id = d.batch_id
+            decoded.append(request.decoded if request is not None else True)
+        frames = d.prepared.frames
+        return Batch(d.batch_id, d.model, d.item_ids, [len(frames)], decoded, prepared=True), frames
 
     def housekeeping(self, now: float) -> None:
         for request in self.requests.expired(now):
@@ -259,6 +296,10 @@ class Broker:
                 self.scheduler.depth(m.name),
                 self.pool.in_flight_items(m.name),
                 self.pool.busy_count(m.name),
+                self.pool.ready_count(m.name, PREPROCESS),
+                self.scheduler.prepared_depth(m.name),
+                self.busy_s.get((m.name, ENGINE), 0.0),
+                self.busy_s.get((m.name, PREPROCESS), 0.0),
             )
             for m in self.config.models
         ]
@@ -325,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", required=True, help="client endpoint to bind")
     parser.add_argument("--work", required=True, help="work endpoint to bind")
     parser.add_argument("--out", required=True, help="out (results) endpoint to bind")
+    parser.add_argument("--staged-models", default="", help="comma-separated models with a preprocess stage")
     args = parser.parse_args(argv)
     setup_logging("broker")
     die_with_parent()
     config = msgspec.json.decode(args.config_json, type=Config)
-    broker = Broker(config, Endpoints(args.client, args.work, args.out))
+    staged = frozenset(filter(None, args.staged_models.split(",")))
+    broker = Broker(config, Endpoints(args.client, args.work, args.out), staged)
 
     def on_term(signum: int, _frame: Any) -> None:
         broker.stopping = True

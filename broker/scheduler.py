@@ -7,15 +7,21 @@ Policy, per model: a bounded FIFO queue. A batch goes to a worker that has credi
   * the worker is idle (nothing in flight): an idle worker never leaves a request waiting, so at low load
     the added latency is the hops, not the batching window; under load the queue fills while workers
     are busy and batches grow by themselves.
+
+A model with a preprocess stage ("staged") sends its batches to preprocess workers first; what they return
+waits in the model's prepared queue and goes, as formed, to the next engine with credit. Stages are fed
+only while the prepared queue is shorter than the engines' total credit, so preprocessed batches never
+pile up in memory faster than engines take them.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
-from zserve.broker.workers import Worker, WorkerPool
+from zserve.broker.workers import ENGINE, PREPROCESS, Worker, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +38,33 @@ class Admission(enum.Enum):
 
 
 @dataclass(slots=True)
+class Prepared:
+    """A batch a preprocess stage returned: one payload for ``item_ids`` together."""
+
+    item_ids: list[int]
+    frames: list[Any]
+
+
+@dataclass(slots=True)
 class Dispatch:
-    """A batch the scheduler formed: send ``item_ids`` of ``model`` to ``worker`` as ``batch_id``."""
+    """A batch the scheduler formed: send ``item_ids`` of ``model`` to ``worker`` as ``batch_id``.
+    ``prepared`` is set when the batch is a preprocessed payload for an engine."""
 
     batch_id: int
     model: str
     worker: Worker
     item_ids: list[int]
-    queued_s: list[float]  # each item's time of arrival in the queue
+    prepared: Prepared | None = None
 
 
 class Scheduler:
-    def __init__(self, policies: dict[str, BatchPolicy], pool: WorkerPool) -> None:
+    def __init__(self, policies: dict[str, BatchPolicy], pool: WorkerPool, staged: frozenset[str] = frozenset()):
         self.policies = policies
         self.pool = pool
+        self.staged = staged
         # item id -> time it entered the queue; insertion order is FIFO order.
         self._queues: dict[str, OrderedDict[int, float]] = {m: OrderedDict() for m in policies}
+        self._prepared: dict[str, deque[Prepared]] = {m: deque() for m in policies}
         self._next_batch_id = 1
 
     def submit(self, model: str, item_id: int, now: float) -> Admission:
@@ -74,13 +91,39 @@ class Scheduler:
     def depth(self, model: str) -> int:
         return len(self._queues[model])
 
+    def prepared_depth(self, model: str) -> int:
+        return len(self._prepared[model])
+
+    def add_prepared(self, model: str, item_ids: list[int], frames: list[Any]) -> None:
+        self._prepared[model].append(Prepared(item_ids, frames))
+
+    def _new_batch_id(self) -> int:
+        self._next_batch_id += 1
+        return self._next_batch_id - 1
+
+    def _feeds_stage(self, model: str) -> bool:
+        """Whether the queue's next batch may go to a stage: not while engines have enough waiting."""
+        return len(self._prepared[model]) < max(1, self.pool.credit_total(model, ENGINE))
+
     def pop_batches(self, now: float) -> list[Dispatch]:
         """Every batch that should leave now, with the worker each goes to (credit already taken)."""
         out: list[Dispatch] = []
         for model, queue in self._queues.items():
+            prepared = self._prepared[model]
+            while prepared:
+                worker = self.pool.best(model, ENGINE)
+                if worker is None:
+                    break
+                batch = prepared.popleft()
+                batch_id = self._new_batch_id()
+                self.pool.start(worker, batch_id, model, batch.item_ids, now)
+                out.append(Dispatch(batch_id, model, worker, batch.item_ids, batch))
             policy = self.policies[model]
+            role = PREPROCESS if model in self.staged else ENGINE
             while queue:
-                worker = self.pool.best(model)
+                if role == PREPROCESS and not self._feeds_stage(model):
+                    break
+                worker = self.pool.best(model, role)
                 if worker is None:
                     break
                 oldest_s = next(iter(queue.values()))
@@ -92,12 +135,10 @@ class Scheduler:
                 if not ready:
                     break
                 n = min(policy.max_batch_size, len(queue))
-                items = [queue.popitem(last=False) for _ in range(n)]
-                batch_id = self._next_batch_id
-                self._next_batch_id += 1
-                ids = [item_id for item_id, _ in items]
+                ids = [queue.popitem(last=False)[0] for _ in range(n)]
+                batch_id = self._new_batch_id()
                 self.pool.start(worker, batch_id, model, ids, now)
-                out.append(Dispatch(batch_id, model, worker, ids, [t for _, t in items]))
+                out.append(Dispatch(batch_id, model, worker, ids))
         return out
 
     def next_wakeup_s(self, now: float) -> float | None:
@@ -105,7 +146,8 @@ class Scheduler:
         such deadline is pending (only new arrivals or results can make a batch ready)."""
         best: float | None = None
         for model, queue in self._queues.items():
-            if not queue or self.pool.best(model) is None:
+            role = PREPROCESS if model in self.staged else ENGINE
+            if not queue or self.pool.best(model, role) is None:
                 continue
             oldest_s = next(iter(queue.values()))
             wait = max(0.0, oldest_s + self.policies[model].max_wait_ms / 1000.0 - now)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ENGINE = "engine"
+PREPROCESS = "preprocess"
+
 
 @dataclass(slots=True)
 class InFlightBatch:
@@ -13,6 +16,7 @@ class InFlightBatch:
     item_ids: list[int]
     worker_id: bytes
     sent_s: float
+    role: str = ENGINE
 
 
 @dataclass(slots=True)
@@ -66,12 +70,12 @@ class WorkerPool:
             worker.busy = busy
         return True
 
-    def best(self, model: str) -> Worker | None:
-        """The worker to give the next batch of ``model``: has credit, holds the fewest batches, and was
-        used least recently (spreads load over engines)."""
+    def best(self, model: str, role: str = ENGINE) -> Worker | None:
+        """The ``role`` worker to give the next batch of ``model``: has credit, holds the fewest batches,
+        and was used least recently (spreads load over workers)."""
         chosen = None
         for worker in self.workers.values():
-            if model not in worker.models or worker.free_credits <= 0:
+            if worker.role != role or model not in worker.models or worker.free_credits <= 0:
                 continue
             if chosen is None or (len(worker.in_flight), worker.last_dispatch_s) < (
                 len(chosen.in_flight),
@@ -83,7 +87,7 @@ class WorkerPool:
     def start(self, worker: Worker, batch_id: int, model: str, item_ids: list[int], now: float) -> InFlightBatch:
         if worker.free_credits <= 0:
             raise RuntimeError(f"worker {worker.name} has no credit")
-        batch = InFlightBatch(batch_id, model, item_ids, worker.worker_id, now)
+        batch = InFlightBatch(batch_id, model, item_ids, worker.worker_id, now, worker.role)
         worker.in_flight[batch_id] = batch
         worker.last_dispatch_s = now
         self._batches[batch_id] = batch
@@ -103,11 +107,14 @@ class WorkerPool:
         lost = [w for w in self.workers.values() if now - w.last_seen_s > self.liveness_s]
         return [(w, self.remove(w.worker_id)) for w in lost]
 
-    def ready_count(self, model: str) -> int:
-        return sum(1 for w in self.workers.values() if model in w.models)
+    def ready_count(self, model: str, role: str = ENGINE) -> int:
+        return sum(1 for w in self.workers.values() if w.role == role and model in w.models)
 
-    def busy_count(self, model: str) -> int:
-        return sum(1 for w in self.workers.values() if model in w.models and w.in_flight)
+    def busy_count(self, model: str, role: str = ENGINE) -> int:
+        return sum(1 for w in self.workers.values() if w.role == role and model in w.models and w.in_flight)
+
+    def credit_total(self, model: str, role: str = ENGINE) -> int:
+        return sum(w.credits for w in self.workers.values() if w.role == role and model in w.models)
 
     def in_flight_items(self, model: str) -> int:
         return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)

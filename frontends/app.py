@@ -13,6 +13,9 @@ import os
 import falcon
 import falcon.asgi
 import msgspec
+
+from zserve.client import AsyncClient
+from zserve.config import FrontendSettings
 from zserve.frontends.resources import (
     Health,
     LiveResource,
@@ -22,9 +25,6 @@ from zserve.frontends.resources import (
     ReadyResource,
     error_serializer,
 )
-
-from zserve.client import AsyncClient
-from zserve.config import FrontendSettings
 from zserve.logs import setup_logging
 from zserve.model import load_handler
 
@@ -49,7 +49,8 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
     app.add_route("/v1/models", ModelsResource(handlers))
     app.add_route("/healthz", LiveResource())
-    app.add_route("/readyz", ReadyResource(health, list(handlers)))
+    staged = [m.name for m in settings.models if m.preprocess]
+    app.add_route("/readyz", ReadyResource(health, list(handlers), staged))
     app.add_route("/metrics", MetricsResource(health))
     log.info("frontend worker up (pid %d), models: %s", os.getpid(), ", ".join(handlers))
     return app

@@ -9,11 +9,11 @@ from typing import Any
 import falcon
 import falcon.asgi
 import msgspec
-from zserve.frontends import metrics
 
 from zserve import payload
 from zserve.client import AsyncClient
 from zserve.errors import BadRequest, ZserveError
+from zserve.frontends import metrics
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -141,9 +141,10 @@ class LiveResource:
 class ReadyResource:
     """200 when the broker answers and every model has at least one ready engine; 503 otherwise."""
 
-    def __init__(self, health: Health, models: list[str]) -> None:
+    def __init__(self, health: Health, models: list[str], staged: list[str]) -> None:
         self.health = health
         self.models = models
+        self.staged = staged
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         report = await self.health.report()
@@ -152,10 +153,12 @@ class ReadyResource:
         if report.draining:
             return set_error(resp, 503, "not_ready", "the server is shutting down")
         ready = {m.name: m.ready_workers for m in report.models}
+        stages = {m.name: m.preprocess_workers for m in report.models}
         waiting = [name for name in self.models if ready.get(name, 0) < 1]
+        waiting += [f"{name} (preprocess)" for name in self.staged if stages.get(name, 0) < 1]
         if waiting:
-            return set_error(resp, 503, "not_ready", f"no ready engine for: {', '.join(waiting)}")
-        resp.media = {"status": "ready", "engines": ready}
+            return set_error(resp, 503, "not_ready", f"no ready worker for: {', '.join(waiting)}")
+        resp.media = {"status": "ready", "engines": ready, "preprocess_workers": {n: stages[n] for n in self.staged}}
 
 
 class MetricsResource:

@@ -1,4 +1,4 @@
-"""The worker shell shared by every worker role (engines now, preprocess stages later): registration with
+"""The worker shell shared by every worker role (engines, preprocess stages): registration with
 the broker, heartbeats both ways, re-registration after a broker restart, and clean exit on SIGTERM or
 Shutdown.
 
@@ -10,18 +10,24 @@ Sockets and threads (one owner per socket):
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
+from zserve.config import ModelConfig
+from zserve.logs import setup_logging
+from zserve.model import Model, load_handler
 from zserve.protocol import Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
-from zserve.transport import make_socket
+from zserve.transport import die_with_parent, make_socket
 
 log = logging.getLogger("zserve.worker")
 
@@ -135,3 +141,62 @@ class WorkerLink:
             self.dealer.close(linger=0)
             self.push.close(linger=2000)
             self.ctx.term()
+
+
+def _set_threads(threads: int) -> None:
+    # Before torch is imported (by the handler's setup), so its thread pools start at this size.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, str(threads))
+
+
+def run_worker(
+    role: str,
+    description: str | None,
+    start: Callable[[Model, str], None],
+    make_runner: Callable[[Model, str], Any],
+    argv: list[str] | None = None,
+) -> int:
+    """The main of every worker process: parse the supervisor's arguments, load the handler, ``start`` it
+    (setup + warm-up for engines, setup_preprocess for stages), register, and serve batches with
+    ``make_runner(model, worker_id).run`` until SIGTERM or Shutdown."""
+    parser = argparse.ArgumentParser(prog=f"python -m zserve.stages.{role}", description=description)
+    parser.add_argument("--name", required=True, help="process name, e.g. engine-echo-0")
+    parser.add_argument("--model-json", required=True, help="the model's [[models]] table as JSON")
+    parser.add_argument("--work-endpoint", required=True)
+    parser.add_argument("--out-endpoint", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--credits", type=int, default=None, help="default: the model's credits")
+    parser.add_argument("--heartbeat-interval-ms", type=int, default=250)
+    parser.add_argument("--heartbeat-liveness", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    setup_logging(args.name)
+    die_with_parent()
+    try:
+        config = msgspec.json.decode(args.model_json, type=ModelConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.error("bad --model-json: %s", exc)
+        return 2
+    _set_threads(config.threads)
+    link = WorkerLink(
+        name=args.name,
+        role=role,
+        models=[config.name],
+        credits=args.credits or config.credits,
+        work_endpoint=args.work_endpoint,
+        out_endpoint=args.out_endpoint,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_liveness=args.heartbeat_liveness,
+    )
+    link.install_signal_handlers()
+    started = time.monotonic()
+    log.info("loading %s %s (%s) on %s, %d thread(s)", role, config.name, config.handler, args.device, config.threads)
+    model = load_handler(config.handler, config.options)
+    start(model, args.device)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(config.threads)
+    log.info("%s %s ready after %.1fs", role, config.name, time.monotonic() - started)
+    if not link.stop.is_set():
+        link.serve(make_runner(model, link.worker_id).run)
+    log.info("%s exiting", args.name)
+    return 0

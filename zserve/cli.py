@@ -28,7 +28,12 @@ def _up(args: argparse.Namespace) -> int:
     if args.host is not None:
         config.frontends.host = args.host
     setup_logging("supervisor", args.log_level)
-    return Supervisor(config, args.config).run()
+    try:
+        supervisor = Supervisor(config, args.config)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+    return supervisor.run()
 
 
 def _check(args: argparse.Namespace) -> int:

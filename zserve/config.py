@@ -73,6 +73,7 @@ class ModelConfig(_Section, kw_only=True):
     threads: PositiveInt = 1  # torch intra-op threads per engine
     devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
     options: dict[str, Any] = {}  # passed to the handler's constructor
+    preprocess_workers: Annotated[int, Meta(ge=1)] | None = None  # None = see preprocess_workers_for
 
     def __post_init__(self) -> None:
         if not _MODEL_NAME.match(self.name):
@@ -103,6 +104,17 @@ class Config(_Section, kw_only=True):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+def preprocess_workers_for(config: Config, model: ModelConfig, staged: list[str], cores: int | None = None) -> int:
+    """Stage processes for a model with a ``preprocess`` hook: ``preprocess_workers`` if set, else the cores
+    the engines leave free (cores - sum of engines x threads over all models), shared evenly among the
+    models with a stage, at least 1 each."""
+    if model.preprocess_workers is not None:
+        return model.preprocess_workers
+    cores = cores or os.cpu_count() or 1
+    engine_cores = sum(m.engines * m.threads for m in config.models)
+    return max(1, (cores - engine_cores) // max(1, len(staged)))
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -171,6 +183,7 @@ class ServedModel(msgspec.Struct, kw_only=True):
     handler: str
     options: dict[str, Any] = {}
     timeout_ms: int = 30_000
+    preprocess: bool = False  # has a preprocess stage: /readyz also waits for one
 
 
 class FrontendSettings(msgspec.Struct, kw_only=True):
@@ -181,11 +194,17 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
     max_body_bytes: int = 1 << 20
 
     @classmethod
-    def from_config(cls, config: Config, endpoints: Endpoints) -> FrontendSettings:
+    def from_config(cls, config: Config, endpoints: Endpoints, staged: list[str]) -> FrontendSettings:
         return cls(
             client_endpoint=endpoints.client,
             models=[
-                ServedModel(name=m.name, handler=m.handler, options=m.options, timeout_ms=m.timeout_ms)
+                ServedModel(
+                    name=m.name,
+                    handler=m.handler,
+                    options=m.options,
+                    timeout_ms=m.timeout_ms,
+                    preprocess=m.name in staged,
+                )
                 for m in config.models
             ],
             max_body_bytes=config.frontends.max_body_bytes,

@@ -1,9 +1,9 @@
 """``zserve.Model``: the one class a user writes. See DESIGN.md section 3 for the lifecycle.
 
-decode_request (frontend, per request) -> batch (broker) -> predict (engine, on the batch)
--> encode_response (frontend, per request). ``setup`` runs only in engine processes, so weights are
-loaded once per engine and never in frontends. (``setup_preprocess``/``preprocess`` on CPU stage
-processes come with the preprocess-stage issue.)
+decode_request (frontend, per request) -> batch (broker) -> preprocess (stage, CPU, on the batch)
+-> predict (engine, on the batch) -> encode_response (frontend, per request). ``setup`` runs only in
+engine processes and ``setup_preprocess`` only in preprocess stages, so weights are loaded once per engine
+and never in frontends or stages. A model that does not override ``preprocess`` has no stage at all.
 """
 
 from __future__ import annotations
@@ -29,14 +29,24 @@ class Model:
     def warmup(self) -> None:
         """Run once after ``setup``, before the engine takes traffic (compile kernels, fill caches)."""
 
+    def setup_preprocess(self) -> None:
+        """Load what ``preprocess`` needs (a tokenizer, an image codec; never the weights). Runs once in
+        each preprocess stage process."""
+
+    def preprocess(self, items: list[Any]) -> Any:
+        """CPU work on the whole batch the broker formed (tokenising, decoding images), in a pool of stage
+        processes that overlaps with the engines. Return the batch ``predict`` receives: any payload value,
+        e.g. a dict of numpy arrays (they travel as raw frames). Not overriding it skips the stage."""
+        return items
+
     def decode_request(self, body: Any) -> Any:
         """Turn a request body (parsed JSON, or the direct client's payload) into one batch item.
         Raise ``zserve.BadRequest(message, field=...)`` to reject it with a 400."""
         return body
 
-    def predict(self, batch: list[Any]) -> list[Any]:
-        """Run the model on a batch of items; return one output per item, in order. An output that is
-        an ``Exception`` fails that item only."""
+    def predict(self, batch: Any) -> list[Any]:
+        """Run the model on a batch (the list of items, or what ``preprocess`` returned for them); return
+        one output per item, in order. An output that is an ``Exception`` fails that item only."""
         raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")
 
     def encode_response(self, output: Any) -> Any:

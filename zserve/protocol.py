@@ -68,10 +68,14 @@ class HealthQuery(Msg, tag=4):
 
 class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     name: str
-    ready_workers: int
+    ready_workers: int  # engines
     queue_depth: int
     in_flight: int
     busy_workers: int = 0
+    preprocess_workers: int = 0
+    prepared_depth: int = 0  # preprocessed batches waiting for an engine
+    engine_busy_s: float = 0.0  # compute time reported by workers, summed since the broker started
+    preprocess_busy_s: float = 0.0
 
 
 class HealthReport(Msg, tag=5):
@@ -105,6 +109,9 @@ class Batch(Msg, tag=21):
     item_ids: list[int]
     frame_counts: list[int]
     decoded: list[bool]
+    # True: the frames are one payload, what a preprocess stage made of all the items together
+    # (frame_counts then has a single entry); the engine passes it to predict as is.
+    prepared: bool = False
 
 
 class BatchResult(Msg, tag=22):
@@ -117,6 +124,9 @@ class BatchResult(Msg, tag=22):
     fields: list[str]
     frame_counts: list[int]
     compute_ms: float = 0.0
+    # From a preprocess stage: the last ``prepared_frames`` frames are one payload, the batch made of the
+    # OK items (in order) for an engine. Failed items carry their status as usual.
+    prepared_frames: int = 0
 
 
 class Heartbeat(Msg, tag=23):

@@ -28,13 +28,40 @@ from typing import IO
 import msgspec
 
 from zserve.client import Client
-from zserve.config import Config, Endpoints, FrontendSettings, ModelConfig, endpoints_for, run_dir_for
+from zserve.config import (
+    Config,
+    ConfigError,
+    Endpoints,
+    FrontendSettings,
+    ModelConfig,
+    endpoints_for,
+    preprocess_workers_for,
+    run_dir_for,
+)
 from zserve.errors import BrokerUnavailable
+from zserve.hooks import HookError, check_preprocess_hooks, uses_preprocess
+from zserve.model import load_handler
 
 log = logging.getLogger("zserve.supervisor")
 
 _TICK_S = 0.1
 _MAX_BACKOFF_S = 10.0
+
+
+def staged_models(config: Config) -> list[str]:
+    """The models whose handler overrides ``preprocess`` (they get stage processes). Loads each handler
+    class (constructors only, no weights) and checks its hooks, so that a broken handler fails here, at
+    start, with a message that names it."""
+    staged = []
+    for m in config.models:
+        try:
+            handler = load_handler(m.handler, m.options)
+            check_preprocess_hooks(type(handler))
+        except (ValueError, HookError) as exc:
+            raise ConfigError(f"models[{m.name}]: {exc}") from None
+        if uses_preprocess(type(handler)):
+            staged.append(m.name)
+    return staged
 
 
 class StartupError(RuntimeError):
@@ -44,7 +71,7 @@ class StartupError(RuntimeError):
 @dataclass
 class Child:
     name: str
-    role: str  # broker | engine | frontend
+    role: str  # broker | engine | stage | frontend
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen | None = None
@@ -62,6 +89,7 @@ class Supervisor:
         self._out_lock = threading.Lock()
         self.stopping = threading.Event()
         self.gave_up = False
+        self.staged = staged_models(config)  # models with a preprocess stage; raises ConfigError
         self.children: list[Child] = []
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
         f = config.frontends
@@ -93,19 +121,10 @@ class Supervisor:
 
     def broker_child(self) -> Child:
         e = self.endpoints
-        argv = [
-            sys.executable,
-            "-m",
-            "zserve.broker.broker",
-            "--config-json",
-            msgspec.json.encode(self.config).decode(),
-            "--client",
-            e.client,
-            "--work",
-            e.work,
-            "--out",
-            e.out,
-        ]
+        config_json = msgspec.json.encode(self.config).decode()
+        argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", config_json,
+                "--client", e.client, "--work", e.work, "--out", e.out,
+                "--staged-models", ",".join(self.staged)]  # fmt: skip
         return Child("broker", "broker", argv, self._base_env())
 
     def engine_child(self, model: ModelConfig, index: int) -> Child:
@@ -114,32 +133,33 @@ class Supervisor:
         if device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
             device = "cuda:0"
+        name = f"engine-{model.name}-{index}"
+        return Child(name, "engine", self._worker_argv("engine", name, model, device), env)
+
+    def stage_child(self, model: ModelConfig, index: int) -> Child:
+        """A preprocess stage: CPU only (no device), one credit, so batches spread evenly over stages."""
+        env = self._base_env()
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a stage never touches the accelerator
+        name = f"stage-{model.name}-{index}"
+        return Child(name, "stage", [*self._worker_argv("preprocess", name, model, "cpu"), "--credits", "1"], env)
+
+    def _worker_argv(self, module: str, name: str, model: ModelConfig, device: str) -> list[str]:
         b = self.config.broker
-        argv = [
-            sys.executable,
-            "-m",
-            "zserve.stages.engine",
-            "--name",
-            f"engine-{model.name}-{index}",
-            "--model-json",
-            msgspec.json.encode(model).decode(),
-            "--device",
-            device,
-            "--work-endpoint",
-            self.endpoints.work,
-            "--out-endpoint",
-            self.endpoints.out,
-            "--heartbeat-interval-ms",
-            str(b.heartbeat_interval_ms),
-            "--heartbeat-liveness",
-            str(b.heartbeat_liveness),
-        ]
-        return Child(f"engine-{model.name}-{index}", "engine", argv, env)
+        return [sys.executable, "-m", f"zserve.stages.{module}", "--name", name,
+                "--model-json", msgspec.json.encode(model).decode(), "--device", device,
+                "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
+                "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
+                "--heartbeat-liveness", str(b.heartbeat_liveness)]  # fmt: skip
+
+    def stage_count(self, model: ModelConfig) -> int:
+        return preprocess_workers_for(self.config, model, self.staged) if model.name in self.staged else 0
 
     def frontend_child(self) -> Child:
         f = self.config.frontends
         env = self._base_env()
-        env["ZSERVE_FRONTEND"] = msgspec.json.encode(FrontendSettings.from_config(self.config, self.endpoints)).decode()
+        env["ZSERVE_FRONTEND"] = msgspec.json.encode(
+            FrontendSettings.from_config(self.config, self.endpoints, self.staged)
+        ).decode()
         metrics_dir = self.run_dir / "metrics"
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)
@@ -238,8 +258,13 @@ class Supervisor:
             report = client.health(timeout_s=1.0)
         except BrokerUnavailable:
             return False
-        ready = {m.name: m.ready_workers for m in report.models}
-        return all(ready.get(m.name, 0) >= m.engines for m in self.config.models)
+        health = {m.name: m for m in report.models}
+        return all(
+            m.name in health
+            and health[m.name].ready_workers >= m.engines
+            and health[m.name].preprocess_workers >= self.stage_count(m)
+            for m in self.config.models
+        )
 
     def _http_ready(self) -> bool:
         f = self.config.frontends
@@ -292,7 +317,9 @@ class Supervisor:
                 for model in self.config.models:
                     for i in range(model.engines):
                         self.start(self.engine_child(model, i))
-                self.wait_until("the engines to register", lambda: self._engines_registered(client))
+                    for i in range(self.stage_count(model)):
+                        self.start(self.stage_child(model, i))
+                self.wait_until("the engines and stages to register", lambda: self._engines_registered(client))
             self.start(self.frontend_child())
             self.wait_until(f"{self.url}/readyz", self._http_ready)
             self.say("supervisor", f"zserve ready: {self.url}")
@@ -343,6 +370,7 @@ class Supervisor:
         self._stop("frontend", signal.SIGTERM, c.frontends.graceful_timeout_s + 5)
         self._stop("broker", signal.SIGTERM, c.broker.drain_timeout_s + 5)
         self._stop("engine", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
+        self._stop("stage", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
         for child in self.children:
             if child.proc is not None:
                 # Anything a child left in its session (a gunicorn worker, a helper) goes too.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from testmodels import Picky
-from zserve.stages.engine import BatchRunner
 
 from zserve import payload
 from zserve.models.echo import Echo
 from zserve.protocol import Batch, Status
+from zserve.stages.engine import BatchRunner
 
 
 def run(model, items, decoded=False):
