@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from zserve.protocol import HealthReport
 
@@ -43,7 +43,7 @@ class BrokerCollector:
     def __init__(self, report: HealthReport | None) -> None:
         self.report = report
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         if self.report is None:
             return
         depth = GaugeMetricFamily("zserve_queue_depth", "Requests waiting in the broker's queue", labels=["model"])
@@ -51,11 +51,33 @@ class BrokerCollector:
             "zserve_in_flight", "Requests dispatched to engines and not yet answered", labels=["model"]
         )
         ready = GaugeMetricFamily("zserve_ready_engines", "Engines registered with the broker", labels=["model"])
+        busy = CounterMetricFamily(
+            "zserve_stage_busy_seconds",
+            "Compute time reported by workers, by role (preprocess stages, engines): compare with wall time "
+            "to see which side is the bottleneck",
+            labels=["model", "role"],
+        )
+        waiting = GaugeMetricFamily(
+            "zserve_stage_queue_depth",
+            "Work waiting for a role: requests for preprocess (or engine, without a stage), preprocessed "
+            "batches for engine",
+            labels=["model", "role"],
+        )
+        workers = GaugeMetricFamily("zserve_workers", "Workers registered, by role", labels=["model", "role"])
         for m in self.report.models:
             depth.add_metric([m.name], m.queue_depth)
             in_flight.add_metric([m.name], m.in_flight)
             ready.add_metric([m.name], m.ready_workers)
-        yield from (depth, in_flight, ready)
+            busy.add_metric([m.name, "engine"], m.engine_busy_s)
+            workers.add_metric([m.name, "engine"], m.ready_workers)
+            if m.preprocess_workers:
+                busy.add_metric([m.name, "preprocess"], m.preprocess_busy_s)
+                waiting.add_metric([m.name, "preprocess"], m.queue_depth)
+                waiting.add_metric([m.name, "engine"], m.prepared_depth)
+                workers.add_metric([m.name, "preprocess"], m.preprocess_workers)
+            else:
+                waiting.add_metric([m.name, "engine"], m.queue_depth)
+        yield from (depth, in_flight, ready, busy, waiting, workers)
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -18,7 +18,7 @@ from zserve.supervisor import Supervisor
 SUPPORT = Path(__file__).resolve().parent / "support"
 
 
-def test_env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
     return env
@@ -36,7 +36,7 @@ class Cluster:
         self.clients: list[Client] = []
 
     def _spawn(self, child) -> subprocess.Popen:
-        env = {**child.env, **test_env()}
+        env = {**child.env, **subprocess_env()}
         log = open(self.log_dir / f"{child.name}.log", "ab")
         proc = subprocess.Popen(child.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -49,12 +49,17 @@ class Cluster:
     def start_engine(self, model: str, index: int = 0) -> subprocess.Popen:
         return self._spawn(self.sup.engine_child(self.config.model(model), index))
 
+    def start_stage(self, model: str, index: int = 0) -> subprocess.Popen:
+        return self._spawn(self.sup.stage_child(self.config.model(model), index))
+
     def client(self, **kwargs) -> Client:
         client = Client(self.sup.endpoints.client, **kwargs)
         self.clients.append(client)
         return client
 
-    def wait_ready(self, engines: dict[str, int], timeout_s: float = 60.0) -> None:
+    def wait_ready(
+        self, engines: dict[str, int], timeout_s: float = 60.0, stages: dict[str, int] | None = None
+    ) -> None:
         client = self.client()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -64,7 +69,10 @@ class Cluster:
             try:
                 report = client.health(timeout_s=0.5)
                 ready = {m.name: m.ready_workers for m in report.models}
-                if all(ready.get(m, 0) >= n for m, n in engines.items()):
+                staged = {m.name: m.preprocess_workers for m in report.models}
+                if all(ready.get(m, 0) >= n for m, n in engines.items()) and all(
+                    staged.get(m, 0) >= n for m, n in (stages or {}).items()
+                ):
                     return
             except Exception:
                 pass

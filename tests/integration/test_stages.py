@@ -1,0 +1,67 @@
+"""Real preprocess stage and engine processes behind a real broker."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+import zserve
+
+STAGED = """
+[broker]
+heartbeat_interval_ms = 100
+heartbeat_liveness = 5
+
+[[models]]
+name = "staged"
+handler = "testmodels:Staged"
+max_batch_size = 8
+max_wait_ms = 5
+preprocess_workers = 2
+[models.options]
+stage_delay_s = {stage_delay}
+engine_delay_s = 0.02
+"""
+
+
+def start(cluster_factory, stage_delay=0.02, stages=2):
+    c = cluster_factory(STAGED.format(stage_delay=stage_delay))
+    c.start_broker()
+    c.start_engine("staged", 0)
+    procs = [c.start_stage("staged", i) for i in range(stages)]
+    c.wait_ready({"staged": 1}, stages={"staged": stages})
+    return c, procs
+
+
+def test_items_flow_through_a_stage_then_an_engine(cluster_factory):
+    c, stages = start(cluster_factory)
+    client = c.client()
+    results = [f.result(timeout=30) for f in [client.submit("staged", i) for i in range(64)]]
+    assert [r["echo"] for r in results] == list(range(64))
+    assert {r["stage_pid"] for r in results} == {p.pid for p in stages}  # both stages took batches
+    assert len({r["engine_pid"] for r in results}) == 1
+    assert max(r["batch"] for r in results) > 1
+    report = client.health()
+    [m] = report.models
+    assert m.preprocess_workers == 2 and m.preprocess_busy_s > 0 and m.engine_busy_s > 0
+
+
+def test_a_preprocess_exception_answers_only_its_batch(cluster_factory):
+    c, _ = start(cluster_factory, stages=1)
+    client = c.client()
+    with pytest.raises(zserve.BadRequest, match="preprocess stage stage-staged-0"):
+        client.predict("staged", "poison")
+    assert client.predict("staged", "fine")["echo"] == "fine"  # the stage kept serving
+
+
+def test_a_stage_killed_mid_batch_loses_no_request(cluster_factory):
+    c, (s0, s1) = start(cluster_factory, stage_delay=0.4)
+    client = c.client()
+    futures = [client.submit("staged", i) for i in range(32)]
+    time.sleep(0.2)  # both stages hold a batch (0.4 s each)
+    s0.send_signal(signal.SIGKILL)
+    results = [f.result(timeout=60) for f in futures]
+    assert [r["echo"] for r in results] == list(range(32))
+    assert {r["stage_pid"] for r in results} == {s1.pid}
