@@ -90,7 +90,7 @@ def deployment_toml(config: Config, port: int) -> str:
     for model in data["models"]:
         options = model.pop("options", {})
         lines.append("[[models]]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in model.items()]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in model.items() if value is not None]
         if options:
             lines.append("[models.options]")
             lines += [f"{key} = {_toml_value(value)}" for key, value in options.items()]

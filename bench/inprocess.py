@@ -1,4 +1,4 @@
-"""The in-process limit: the model's ``predict`` called directly on a full batch, no serving around it.
+"""The in-process limit: the model (``preprocess`` + ``predict``) called directly on a full batch, no serving around it.
 
 Run as its own process (``python bench/inprocess.py --config C --model M --duration-s D``), so that torch
 starts with the same thread settings as an engine (OMP_NUM_THREADS etc. from the environment, then
@@ -14,7 +14,7 @@ import time
 
 from measure import percentile
 from zserve.config import load_config
-from zserve.model import load_handler
+from zserve.model import load_handler, predict_inline, setup_inline
 
 MIN_CHUNK_S = 0.002  # calls shorter than this are timed in chunks (echo: a call is well under a microsecond)
 
@@ -22,10 +22,9 @@ MIN_CHUNK_S = 0.002  # calls shorter than this are timed in chunks (echo: a call
 def measure(config_path: str, name: str, body: object, duration_s: float) -> dict[str, object]:
     spec = load_config(config_path).model(name)
     model = load_handler(spec.handler, spec.options)
-    model.setup("cpu")
+    setup_inline(model)  # tokeniser and weights in this one process
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(spec.threads)
-    model.warmup()
     batch = [model.decode_request(body) for _ in range(spec.max_batch_size)]
 
     # Warm up with the full batch, and learn how many calls make a chunk worth timing.
@@ -33,7 +32,7 @@ def measure(config_path: str, name: str, body: object, duration_s: float) -> dic
     while True:
         t0 = time.perf_counter()
         for _ in range(chunk):
-            model.predict(batch)
+            predict_inline(model, batch)
         if time.perf_counter() - t0 >= MIN_CHUNK_S:
             break
         chunk *= 4
@@ -43,7 +42,7 @@ def measure(config_path: str, name: str, body: object, duration_s: float) -> dic
     while time.perf_counter() - started < duration_s or len(samples) < 3:
         t0 = time.perf_counter()
         for _ in range(chunk):
-            model.predict(batch)
+            predict_inline(model, batch)
         samples.append((time.perf_counter() - t0) / chunk)
     elapsed = time.perf_counter() - started
     calls = len(samples) * chunk

@@ -1,7 +1,7 @@
 """The naive baseline: the same models in a plain falcon ASGI app under gunicorn, no broker, no batching.
 
 Every worker loads every model itself (``setup`` + ``warmup``) and each request runs
-``predict([item])`` right in the request handler, the way a model is usually first put behind HTTP. The
+``preprocess`` + ``predict([item])`` right in the request handler, the way a model is usually first put behind HTTP. The
 route and the request/response hooks are the same as zserve's, so the same wrk script drives both.
 
 Started by bench/procs.py as ``gunicorn --worker-class asgi --pythonpath bench 'naive_app:create_app()'``;
@@ -26,7 +26,7 @@ import msgspec
 from catalog import DEFAULT_CONFIG
 from zserve import payload
 from zserve.config import load_config
-from zserve.model import Model, load_handler
+from zserve.model import Model, load_handler, predict_inline, setup_inline
 
 _json = msgspec.json.Encoder(enc_hook=payload.to_jsonable)
 
@@ -49,7 +49,7 @@ class Predict:
             item = model.decode_request(msgspec.json.decode(await req.stream.read()))
         except Exception as exc:
             return _error(resp, 400, f"{type(exc).__name__}: {exc}")
-        output = model.predict([item])[0]  # blocks the event loop: that is the naive way
+        output = predict_inline(model, [item])[0]  # blocks the event loop: that is the naive way
         resp.data = _json.encode(model.encode_response(output))
         resp.content_type = falcon.MEDIA_JSON
 
@@ -65,10 +65,9 @@ def load_models(names: list[str], threads: int, config_path: str | Path) -> dict
     for name in names:
         spec = config.model(name)
         model = load_handler(spec.handler, spec.options)
-        model.setup("cpu")
+        setup_inline(model)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
-        model.warmup()
         models[name] = model
     return models
 

@@ -10,8 +10,10 @@ Policy, per model: a bounded FIFO queue. A batch goes to a worker that has credi
 
 A model with a preprocess stage ("staged") sends its batches to preprocess workers first; what they return
 waits in the model's prepared queue and goes, as formed, to the next engine with credit. Stages are fed
-only while the prepared queue is shorter than the engines' total credit, so preprocessed batches never
-pile up in memory faster than engines take them.
+only while fewer batches are on their way (in stages or prepared) than the engines' total credit, so
+preprocessed batches never pile up faster than engines take them; and a partial batch goes to a stage
+only when an engine has credit that nothing on its way will use (otherwise it keeps filling, exactly as
+it would for a busy engine without a stage).
 """
 
 from __future__ import annotations
@@ -101,9 +103,17 @@ class Scheduler:
         self._next_batch_id += 1
         return self._next_batch_id - 1
 
+    def _ahead(self, model: str) -> int:
+        """Batches on their way to the engines: prepared, or in a stage."""
+        return len(self._prepared[model]) + self.pool.in_flight_batches(model, PREPROCESS)
+
     def _feeds_stage(self, model: str) -> bool:
-        """Whether the queue's next batch may go to a stage: not while engines have enough waiting."""
-        return len(self._prepared[model]) < max(1, self.pool.credit_total(model, ENGINE))
+        """Whether the queue's next batch may go to a stage: not while enough are on their way to engines."""
+        return self._ahead(model) < max(1, self.pool.credit_total(model, ENGINE))
+
+    def _engine_would_wait(self, model: str) -> bool:
+        """An engine has credit that no batch on its way will use: a partial batch is worth sending now."""
+        return self.pool.free_credit_total(model, ENGINE) > self._ahead(model)
 
     def pop_batches(self, now: float) -> list[Dispatch]:
         """Every batch that should leave now, with the worker each goes to (credit already taken)."""
@@ -127,10 +137,11 @@ class Scheduler:
                 if worker is None:
                     break
                 oldest_s = next(iter(queue.values()))
-                ready = (
-                    len(queue) >= policy.max_batch_size
-                    or (now - oldest_s) * 1000.0 >= policy.max_wait_ms
-                    or not worker.in_flight
+                # With a stage, a partial batch leaves only if an engine would otherwise wait for it;
+                # while engines are busy the batch keeps filling (as a busy engine without credit would).
+                partial_ok = role == ENGINE or self._engine_would_wait(model)
+                ready = len(queue) >= policy.max_batch_size or (
+                    partial_ok and ((now - oldest_s) * 1000.0 >= policy.max_wait_ms or not worker.in_flight)
                 )
                 if not ready:
                     break
@@ -149,6 +160,8 @@ class Scheduler:
             role = PREPROCESS if model in self.staged else ENGINE
             if not queue or self.pool.best(model, role) is None:
                 continue
+            if role == PREPROCESS and not (self._feeds_stage(model) and self._engine_would_wait(model)):
+                continue  # only a full queue or an engine's progress can start a batch: no timer
             oldest_s = next(iter(queue.values()))
             wait = max(0.0, oldest_s + self.policies[model].max_wait_ms / 1000.0 - now)
             best = wait if best is None else min(best, wait)

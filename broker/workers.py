@@ -113,6 +113,12 @@ class WorkerPool:
     def busy_count(self, model: str, role: str = ENGINE) -> int:
         return sum(1 for w in self.workers.values() if w.role == role and model in w.models and w.in_flight)
 
+    def free_credit_total(self, model: str, role: str = ENGINE) -> int:
+        return sum(w.free_credits for w in self.workers.values() if w.role == role and model in w.models)
+
+    def in_flight_batches(self, model: str, role: str = ENGINE) -> int:
+        return sum(1 for b in self._batches.values() if b.model == model and b.role == role)
+
     def credit_total(self, model: str, role: str = ENGINE) -> int:
         return sum(w.credits for w in self.workers.values() if w.role == role and model in w.models)
 

@@ -8,16 +8,11 @@ import ast
 import inspect
 import textwrap
 
-from zserve.model import Model
+from zserve.model import Model, uses_preprocess
 
 
 class HookError(ValueError):
     """A model's hooks are wired so that they cannot work; the message says how to fix it."""
-
-
-def uses_preprocess(cls: type[Model]) -> bool:
-    """True if the model overrides ``preprocess``: it then runs on a preprocess stage before ``predict``."""
-    return getattr(cls, "preprocess", None) is not Model.preprocess
 
 
 def _method_ast(cls: type, name: str) -> ast.FunctionDef | None:

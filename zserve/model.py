@@ -54,6 +54,24 @@ class Model:
         return output
 
 
+def uses_preprocess(cls: type[Model]) -> bool:
+    """True if the model overrides ``preprocess``: it then runs on a preprocess stage before ``predict``."""
+    return getattr(cls, "preprocess", None) is not Model.preprocess
+
+
+def setup_inline(model: Model, device: str = "cpu") -> None:
+    """Both halves in one process (no stage): ``setup_preprocess`` if used, then ``setup`` and ``warmup``."""
+    if uses_preprocess(type(model)):
+        model.setup_preprocess()
+    model.setup(device)
+    model.warmup()
+
+
+def predict_inline(model: Model, items: list[Any]) -> list[Any]:
+    """``predict(preprocess(items))``, in this process: what a stage and an engine do together."""
+    return model.predict(model.preprocess(items) if uses_preprocess(type(model)) else items)
+
+
 def load_handler(spec: str, options: dict[str, Any] | None = None) -> Model:
     """Instantiate ``"package.module:Class"`` with ``options``; errors say what is wrong with ``spec``."""
     module_name, _, class_name = spec.partition(":")

@@ -111,3 +111,25 @@ def test_staged_models_go_to_a_stage_first_and_prepared_batches_to_engines():
     s.add_prepared("m", [2, 3], [b"p2"])
     assert s.pop_batches(1.0) == []
     assert s.prepared_depth("m") == 1 and s.depth("m") == 2
+    assert s.next_wakeup_s(1.0) is None  # no timer can help (a busy loop would spin on 0)
+
+
+def test_a_partial_batch_waits_for_a_stage_until_an_engine_would_otherwise_idle():
+    pool = WorkerPool(liveness_s=1.0)
+    pool.register(b"s", name="s", pid=1, role="preprocess", models=["m"], credits=1, now=0.0)
+    pool.register(b"e", name="e", pid=2, role="engine", models=["m"], credits=1, now=0.0)
+    s = Scheduler({"m": BatchPolicy(8, 5.0, 100)}, pool, frozenset({"m"}))
+    s.submit("m", 0, 0.0)
+    [first] = s.pop_batches(0.0)  # everything idle: a lone request goes at once
+    assert first.item_ids == [0]
+    pool.finish(first.batch_id)
+    s.add_prepared("m", [0], [b"p"])
+    [to_engine] = s.pop_batches(0.0)
+    assert to_engine.worker.name == "e"
+    for i in range(1, 4):
+        s.submit("m", i, 0.001)
+    assert s.pop_batches(1.0) == []  # the engine is busy: the batch keeps filling past max_wait_ms
+    assert s.next_wakeup_s(1.0) is None
+    pool.finish(to_engine.batch_id)  # the engine is free and nothing is on its way: send what there is
+    [partial] = s.pop_batches(1.0)
+    assert partial.worker.name == "s" and partial.item_ids == [1, 2, 3]
