@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from bench_paths import REPO
-from zserve.config import Config, ModelConfig, load_config, parse_config
+from zserve.config import Config, ModelConfig, load_config, to_toml
 
 DEFAULT_CONFIG = REPO / "supervisor.toml"
 
@@ -78,34 +78,12 @@ def plan_models(config_path: Path, names: list[str], threads: int | None) -> tup
 
 def deployment_toml(config: Config, port: int) -> str:
     """The deployment as a supervisor.toml: loopback on ``port``, a run dir derived from the file's path."""
-    data = msgspec.to_builtins(config)
-    data["supervisor"]["run_dir"] = ""
-    data["frontends"]["host"] = "127.0.0.1"
-    data["frontends"]["port"] = port
-    lines: list[str] = []
-    for section in ("supervisor", "broker", "frontends"):
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in data[section].items()]
-        lines.append("")
-    for model in data["models"]:
-        options = model.pop("options", {})
-        lines.append("[[models]]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in model.items() if value is not None]
-        if options:
-            lines.append("[models.options]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in options.items()]
-        lines.append("")
-    text = "\n".join(lines)
-    parse_config(text, "generated bench deployment")  # fail here, not in `zserve up`, if it does not round-trip
-    return text
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value)  # strings, numbers and booleans are spelled alike in JSON and TOML
+    config = msgspec.structs.replace(
+        config,
+        supervisor=msgspec.structs.replace(config.supervisor, run_dir=""),
+        frontends=msgspec.structs.replace(config.frontends, host="127.0.0.1", port=port),
+    )
+    return to_toml(config)
 
 
 def thread_env(threads: int) -> dict[str, str]:

@@ -5,6 +5,7 @@ typed errors they raise.
 """
 
 from zserve.client import Answer, AsyncClient, Client
+from zserve.entrypoints import Pipeline, ServedClient, pipeline, serve
 from zserve.errors import (
     BadRequest,
     BrokerUnavailable,
@@ -18,6 +19,7 @@ from zserve.errors import (
     ZserveError,
 )
 from zserve.model import Model
+from zserve.streamer import Streamer
 
 __version__ = "0.1.0"
 
@@ -33,7 +35,12 @@ __all__ = [
     "Model",
     "ModelError",
     "Overloaded",
+    "Pipeline",
+    "ServedClient",
     "ShuttingDown",
+    "Streamer",
     "UnknownModel",
     "ZserveError",
+    "pipeline",
+    "serve",
 ]

@@ -6,6 +6,7 @@ Every key is documented in README.md ("Configuration reference"); keep the two i
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -209,3 +210,32 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
             ],
             max_body_bytes=config.frontends.max_body_bytes,
         )
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings, numbers and booleans are spelled alike in JSON and TOML
+
+
+def to_toml(config: Config) -> str:
+    """``config`` as a supervisor.toml that ``load_config`` reads back to the same Config."""
+    data = msgspec.to_builtins(config)
+    lines: list[str] = []
+    for section in ("supervisor", "broker", "frontends"):
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in data[section].items()]
+        lines.append("")
+    for model in data["models"]:
+        options = model.pop("options", {})
+        lines.append("[[models]]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in model.items() if value is not None]
+        if options:
+            lines.append("[models.options]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in options.items()]
+        lines.append("")
+    text = "\n".join(lines)
+    parse_config(text, "generated supervisor.toml")  # fail here, not in `zserve up`, if it does not round-trip
+    return text
