@@ -3,7 +3,8 @@
 Many caller threads (or coroutines) call ``streamer.predict(items)``; their items are batched together
 and run through the batch function by ``workers`` worker threads, or by ``processes`` spawned worker
 processes. The batching policy is the broker's own pure ``Scheduler`` (same triggers: full by count,
-``max_wait_ms``, an idle worker takes a lone request at once), driven here by a real clock in one thread.
+``max_wait_ms``, an idle worker takes a lone request at once), driven here with a real clock by the
+worker threads themselves.
 
 Items and results cross to worker processes through multiprocessing pipes (pickled): a Streamer runs
 the caller's own code on the caller's own objects, unlike the wire protocol between zserve processes.
@@ -16,9 +17,9 @@ import concurrent.futures
 import itertools
 import multiprocessing
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,18 +145,16 @@ class Streamer:
             fn = _as_batch_fn(predict)
             runners = [lambda items, fn=fn: _run(fn, items)] * workers
         self._runners = runners
-        self._inboxes: list[queue.SimpleQueue] = []
+        # Worker threads schedule for themselves (no scheduler thread: one hand-off less per request). The
+        # scheduler addresses each batch to a worker; a batch found for another worker waits in its inbox.
+        self._inboxes: list[deque[Dispatch]] = []
         self._threads: list[threading.Thread] = []
         for i, runner in enumerate(runners):
-            worker_id = f"w{i}".encode()
-            self._pool.register(worker_id, name=f"w{i}", pid=0, role=ENGINE, models=[_MODEL], credits=1, now=0.0)
-            inbox: queue.SimpleQueue = queue.SimpleQueue()
-            self._inboxes.append(inbox)
-            thread = threading.Thread(target=self._work, args=(runner, inbox), name=f"streamer-worker-{i}", daemon=True)
+            self._pool.register(f"w{i}".encode(), name=f"w{i}", pid=0, role=ENGINE, models=[_MODEL], credits=1, now=0.0)
+            self._inboxes.append(deque())
+            thread = threading.Thread(target=self._work, args=(i, runner), name=f"streamer-worker-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
-        self._scheduler_thread = threading.Thread(target=self._schedule, name="streamer-scheduler", daemon=True)
-        self._scheduler_thread.start()
 
     # ---- public API ----
 
@@ -180,7 +179,7 @@ class Streamer:
                 part: concurrent.futures.Future = concurrent.futures.Future()
                 self._futures[item_id] = (part, item)
                 parts.append(part)
-            self._lock.notify()
+            self._lock.notify_all()
         _gather(parts, result)
         return result
 
@@ -196,10 +195,7 @@ class Streamer:
             if self._closed:
                 return
             self._closed = True
-            self._lock.notify()
-        self._scheduler_thread.join()
-        for inbox in self._inboxes:
-            inbox.put(None)
+            self._lock.notify_all()
         for thread in self._threads:
             thread.join()
         for runner in self._runners:
@@ -218,19 +214,30 @@ class Streamer:
 
     # ---- threads ----
 
-    def _schedule(self) -> None:
-        with self._lock:
-            while True:
+    def _next(self, index: int) -> Dispatch | None:
+        """Wait (holding the lock) for this worker's next batch; None once closed and drained."""
+        inbox = self._inboxes[index]
+        while True:
+            if not inbox:
                 now = time.monotonic()
                 for dispatch in self._scheduler.pop_batches(now):
-                    self._inboxes[int(dispatch.worker.name[1:])].put(dispatch)
-                if self._closed and not self._futures:
-                    return
-                wait = self._scheduler.next_wakeup_s(now)
-                self._lock.wait(timeout=wait if wait is not None else 1.0)
+                    self._inboxes[int(dispatch.worker.name[1:])].append(dispatch)
+                if len(self._inboxes) > 1:
+                    self._lock.notify_all()  # batches for other workers
+            if inbox:
+                return inbox.popleft()
+            if self._closed and not self._futures:
+                return None
+            wait = self._scheduler.next_wakeup_s(time.monotonic())
+            self._lock.wait(timeout=wait if wait is not None else 1.0)
 
-    def _work(self, runner: Callable[[list[Any]], list[Any]], inbox: queue.SimpleQueue) -> None:
-        while (dispatch := inbox.get()) is not None:
+    def _work(self, index: int, runner: Callable[[list[Any]], list[Any]]) -> None:
+        while True:
+            with self._lock:
+                dispatch = self._next(index)
+                if dispatch is None:
+                    self._lock.notify_all()
+                    return
             self._run_batch(runner, dispatch)
 
     def _run_batch(self, runner: Callable[[list[Any]], list[Any]], dispatch: Dispatch) -> None:
@@ -246,7 +253,7 @@ class Streamer:
                 part.set_result(output)
         with self._lock:
             self._pool.finish(dispatch.batch_id)
-            self._lock.notify()
+            self._lock.notify_all()
 
 
 def _gather(parts: list[concurrent.futures.Future], result: concurrent.futures.Future) -> None:
