@@ -65,3 +65,18 @@ def test_a_stage_killed_mid_batch_loses_no_request(cluster_factory):
     results = [f.result(timeout=60) for f in futures]
     assert [r["echo"] for r in results] == list(range(32))
     assert {r["stage_pid"] for r in results} == {s1.pid}
+
+
+def test_a_stage_slow_past_the_deadline_does_not_block_the_others(cluster_factory):
+    c, stages = start(cluster_factory)
+    client = c.client()
+    stuck = client.submit("staged", "slow", timeout_ms=500)  # holds one stage for 2 s
+    time.sleep(0.1)
+    started = time.monotonic()
+    results = [f.result(timeout=30) for f in [client.submit("staged", i) for i in range(40)]]
+    assert time.monotonic() - started < 1.5  # served by the other stage meanwhile
+    assert [r["echo"] for r in results] == list(range(40))
+    [busy_one] = {p.pid for p in stages} - {r["stage_pid"] for r in results}  # never answered meanwhile
+    assert busy_one in {p.pid for p in stages}
+    with pytest.raises(zserve.DeadlineExceeded):
+        stuck.result(timeout=30)

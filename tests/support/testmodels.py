@@ -75,8 +75,8 @@ class Recorder(SlowEcho):
 
 
 class Staged(Model):
-    """A model with a preprocess stage. preprocess sleeps ``stage_delay_s`` per batch and fails the whole
-    batch if an item is "poison"; both halves report their pid."""
+    """A model with a preprocess stage. preprocess sleeps ``stage_delay_s`` per batch (2 s more if an item
+    is "slow") and fails the whole batch if an item is "poison"; both halves report their pid."""
 
     def __init__(self, stage_delay_s: float = 0.0, engine_delay_s: float = 0.0) -> None:
         super().__init__(stage_delay_s=stage_delay_s, engine_delay_s=engine_delay_s)
@@ -87,7 +87,7 @@ class Staged(Model):
         self.stage_pid = os.getpid()
 
     def preprocess(self, items: list[Any]) -> Any:
-        time.sleep(self.stage_delay_s)
+        time.sleep(self.stage_delay_s + (2.0 if "slow" in items else 0.0))
         if "poison" in items:
             raise ValueError("cannot preprocess poison")
         return {"items": items, "stage_pid": self.stage_pid, "n": len(items)}
