@@ -89,6 +89,7 @@ class Supervisor:
         self._out_lock = threading.Lock()
         self.stopping = threading.Event()
         self.gave_up = False
+        self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
         self.staged = staged_models(config)  # models with a preprocess stage; raises ConfigError
         self.children: list[Child] = []
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
@@ -302,6 +303,7 @@ class Supervisor:
 
     def run(self) -> int:
         def on_signal(signum: int, _frame: object) -> None:
+            self.signalled = True
             if not self.stopping.is_set():
                 self.say("supervisor", f"received {signal.Signals(signum).name}: stopping")
             self.stopping.set()
@@ -327,8 +329,11 @@ class Supervisor:
             while not self.stopping.wait(_TICK_S):
                 self.tick()
         except StartupError as exc:
-            self.say("supervisor", f"ERROR {exc}")
-            self.gave_up = True
+            if self.signalled and not self.gave_up:
+                self.say("supervisor", f"stopped during start-up ({exc})")  # asked to stop: not a failure
+            else:
+                self.say("supervisor", f"ERROR {exc}")
+                self.gave_up = True
         finally:
             self.shutdown()
         return 1 if self.gave_up else 0

@@ -94,3 +94,14 @@ def test_a_preprocess_that_needs_what_only_setup_creates_fails_at_start_up(tmp_p
     )
     assert run.returncode == 2
     assert "preprocess uses self.tokenizer" in run.stderr and "setup_preprocess" in run.stderr
+
+
+def test_sigterm_during_start_up_stops_cleanly_with_exit_0(tmp_path):
+    path = write_config(tmp_path, ONE_MODEL.format(port=free_port(), handler="testmodels:SlowEcho", max_restarts=1))
+    d = Deployment(path)
+    d.wait_for_line("started engine-m-0")  # the supervisor is waiting for the engine to register
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=60) == 0, d.output
+    d._reader.join(timeout=5)
+    assert "zserve ready" in d.output or "stopped during start-up" in d.output
+    assert "gave up" not in d.output
