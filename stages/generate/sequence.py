@@ -1,0 +1,40 @@
+"""A generation request inside the engine: its tokens, sampling parameters and progress."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from zserve.stages.generate.block_manager import SeqBlocks
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Sequence:
+    tokens: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    prompt_len: int = 0
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    kv: SeqBlocks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.prompt_len or len(self.tokens)
+        self.kv = SeqBlocks(self.seq_id, self.tokens)  # shares the token list
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
