@@ -44,7 +44,7 @@ class EngineCore:
         # Prefix sharing stays off until the step loop orders sharers after the owner's prefill.
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self.cache = PagedKVCache(
-            config.num_hidden_layers, num_blocks * block_size, config.num_key_value_heads, head_dim, model.dtype
+            config.num_hidden_layers, num_blocks * block_size, _kv_heads(config), head_dim, model.dtype
         )
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
@@ -173,3 +173,8 @@ def _as_list(value) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _kv_heads(config) -> int:
+    # GPT-2-style configs have no grouped-query attention field
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

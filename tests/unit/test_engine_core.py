@@ -100,3 +100,36 @@ def test_seeded_sampling_is_reproducible(reference):
             tokens += [o.token_id for o in engine.step() if o.seq_id == seq_id]
         runs.append(tokens)
     assert runs[0] == runs[1] and len(runs[0]) == 10
+
+
+def _tiny(family):
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shape, num_key_value_heads=2, max_position_embeddings=512))
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**shape, num_key_value_heads=2, max_position_embeddings=512))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=2))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+def test_other_architectures_run_unchanged_through_the_paged_attention(family):
+    model = _tiny(family).eval()
+    engine = EngineCore(copy.deepcopy(model), num_blocks=128, block_size=8, max_batched_tokens=48)
+    batch = prompts(6, seed=3)
+    ids = [engine.add(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in batch]
+    produced: dict[int, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            produced.setdefault(out.seq_id, []).append(out.token_id)
+    for prompt, seq_id in zip(batch, ids, strict=True):
+        assert produced[seq_id] == expected(model, prompt, 8)
