@@ -44,6 +44,9 @@ class Pipeline:
         setup_inline(model, device)
 
     def __call__(self, items: Sequence[Any], **kwargs: Any) -> list[Any]:
+        generate = getattr(self.model, "generate", None)
+        if callable(generate):  # generative models: pipe(prompts, max_new_tokens=..., temperature=...)
+            return generate(items, **kwargs)
         if kwargs:
             raise TypeError(
                 f"{type(self.model).__name__} is a batch model and takes no generation options {sorted(kwargs)}; "
