@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -36,6 +37,15 @@ from zserve.transport import make_socket
 PING_INTERVAL_S = 1.0
 BROKER_SILENCE_S = 5.0  # pending requests fail after this long without a word from the broker
 _DEADLINE_GRACE_S = 1.0  # the broker answers DEADLINE_EXCEEDED itself; this only guards against its loss
+
+
+class GenerateResponse(msgspec.Struct):
+    """A generative model's answer to one prompt (the fields DeepSpeed-MII's responses have)."""
+
+    generated_text: str
+    generated_length: int
+    prompt_length: int
+    finish_reason: str
 
 
 @dataclass(slots=True)
@@ -127,6 +137,14 @@ class Client:
     def infer(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Answer:
         """Like ``predict``, with the batch size and queue time the request saw."""
         return self._submit(model, body, timeout_ms, with_meta=True).result()
+
+    def generate(self, prompts: str | list[str], *, model: str, **sampling: Any) -> list[GenerateResponse]:
+        """One response per prompt from a generative model (``CausalLM``): ``max_new_tokens``,
+        ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``. The
+        prompts are sent together, so they are batched together."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        futures = [self.submit(model, {"prompt": p, **sampling}) for p in prompts]
+        return [msgspec.convert(f.result(), GenerateResponse) for f in futures]
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         future: concurrent.futures.Future = concurrent.futures.Future()

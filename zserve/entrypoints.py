@@ -80,12 +80,23 @@ def pipeline(
 class ServedClient(Client):
     """A Client of a deployment that ``serve`` started; ``terminate()`` stops that deployment."""
 
-    def __init__(self, endpoint: str, process: subprocess.Popen, url: str, workdir: Path, output: list[str]) -> None:
+    def __init__(
+        self, endpoint: str, process: subprocess.Popen, url: str, workdir: Path, output: list[str], models: list[str]
+    ) -> None:
         super().__init__(endpoint)
+        self.models = models
         self.process = process
         self.url = url
         self._workdir = workdir
         self._output = output
+
+    def generate(self, prompts: str | list[str], *, model: str | None = None, **sampling: Any):  # type: ignore[override]
+        """Like ``Client.generate``; ``model`` defaults to the deployment's only model."""
+        if model is None:
+            if len(self.models) != 1:
+                raise TypeError(f"this deployment serves {self.models}: say which with model=")
+            model = self.models[0]
+        return super().generate(prompts, model=model, **sampling)
 
     @property
     def output(self) -> str:
@@ -174,4 +185,4 @@ def serve(
             shutil.rmtree(workdir, ignore_errors=True)
             tail = "".join(output[-40:])
             raise RuntimeError(f"zserve up did not get ready (exit {process.poll()}):\n{tail}")
-    return ServedClient(endpoint_from_config(path), process, url[0], workdir, output)
+    return ServedClient(endpoint_from_config(path), process, url[0], workdir, output, [m.name for m in config.models])

@@ -66,3 +66,13 @@ def test_text_stream_is_correct_across_multibyte_characters(tiny_path):
     held = TextStream(tokenizer, stop=["世界"])
     emitted = "".join(held.push(i) for i in ids)
     assert held.stopped and emitted == text[: text.find("世界")]
+
+
+def test_the_mii_style_flow_serve_generate_terminate(tiny_path):
+    client = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options={"path": str(tiny_path)})
+    try:
+        responses = client.generate(["DeepSpeed is", "Seattle is"], max_new_tokens=8, ignore_eos=True)
+        assert [r.generated_length for r in responses] == [8, 8]
+        assert all(r.finish_reason == "length" and r.generated_text for r in responses)
+    finally:
+        assert client.terminate() == 0
