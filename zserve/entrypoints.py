@@ -90,7 +90,7 @@ class ServedClient(Client):
         self._workdir = workdir
         self._output = output
 
-    def generate(self, prompts: str | list[str], *, model: str | None = None, **sampling: Any):  # type: ignore[override]
+    def generate(self, prompts: str | list[str], *, model: str | None = None, **sampling: Any) -> list:
         """Like ``Client.generate``; ``model`` defaults to the deployment's only model."""
         if model is None:
             if len(self.models) != 1:
