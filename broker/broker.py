@@ -208,18 +208,19 @@ class Broker:
             )
 
     def on_preprocessed(self, batch: InFlightBatch, msg: BatchResult, frames: list[zmq.Frame]) -> None:
-        """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines."""
+        """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines.
+        Every OK item stays in the prepared batch, even one answered meanwhile (cancel, deadline): the payload
+        holds its rows, so the engine must get as many ids as rows; its result is dropped."""
         ready: list[int] = []
         for item_id, status, message, field in zip(
             batch.item_ids, msg.statuses, msg.messages, msg.fields, strict=False
         ):
             request = self.requests.get(item_id)
-            if request is None or request.batch_id != msg.batch_id:
-                continue
             if status == Status.OK:
-                request.batch_id = 0  # waiting for an engine
                 ready.append(item_id)
-            else:
+                if request is not None:
+                    request.batch_id = 0  # waiting for an engine
+            elif request is not None:
                 self._reply(request, status, message, field=field, batch_size=len(batch.item_ids))
         if ready and msg.prepared_frames:
             self.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
@@ -227,31 +228,45 @@ class Broker:
     # ---- periodic work ----
 
     def dispatch(self, now: float) -> None:
-        for d in self.scheduler.pop_batches(now):
+        dispatches = self.scheduler.pop_batches(now)
+        for n, d in enumerate(dispatches):
+            if d.worker.worker_id not in self.pool.workers:  # its send failed earlier in this round
+                self._requeue_undelivered(d)
+                continue
             if d.prepared is not None:
                 header, frames = self._prepared_batch(d)
             else:
+                # Aligned with d.item_ids (results are matched by position). An item answered meanwhile
+                # cannot be here, but if it were it would travel without payload and fail alone.
                 requests = [self.requests.get(i) for i in d.item_ids]
-                frames = []
+                frames, counts = [], []
                 for r in requests:
-                    r.batch_id = d.batch_id
-                    r.dispatched_s = now
-                    frames.extend(r.frames)
-                header = Batch(
-                    d.batch_id, d.model, d.item_ids, [len(r.frames) for r in requests], [r.decoded for r in requests]
-                )
-            if not self._send(self.work, d.worker.worker_id, [self.codec.encode(header), *frames]):
-                # Never delivered: put the items back untouched and forget the worker.
-                log.warning("worker %s (pid %d) disconnected before batch %d", d.worker.name, d.worker.pid, d.batch_id)
-                for batch in self.pool.remove(d.worker.worker_id):
-                    if batch.batch_id != d.batch_id:
-                        self._fail_batch(batch, f"worker {d.worker.name} disconnected")
-                        continue
-                    for item_id in reversed(batch.item_ids):  # back to the head, in their order
-                        request = self.requests.get(item_id)
-                        if request is not None:
-                            request.batch_id = 0
-                            self.scheduler.requeue(batch.model, item_id, request.arrived_s)
+                    if r is not None:
+                        r.batch_id = d.batch_id
+                        r.dispatched_s = now
+                        frames.extend(r.frames)
+                    counts.append(len(r.frames) if r is not None else 0)
+                decoded = [r.decoded if r is not None else True for r in requests]
+                header = Batch(d.batch_id, d.model, d.item_ids, counts, decoded)
+            if self._send(self.work, d.worker.worker_id, [self.codec.encode(header), *frames]):
+                continue
+            # Never delivered: forget the worker; batches of this round not yet sent go back untouched,
+            # batches it received before are lost with it.
+            log.warning("worker %s (pid %d) disconnected before batch %d", d.worker.name, d.worker.pid, d.batch_id)
+            unsent = {x.batch_id for x in dispatches[n:]}
+            for batch in self.pool.remove(d.worker.worker_id):
+                if batch.batch_id not in unsent:
+                    self._fail_batch(batch, f"worker {d.worker.name} disconnected")
+            self._requeue_undelivered(d)
+
+    def _requeue_undelivered(self, d: Dispatch) -> None:
+        """Back to the head of the queue, in order, without counting an attempt (a prepared batch is
+        preprocessed again)."""
+        for item_id in reversed(d.item_ids):
+            request = self.requests.get(item_id)
+            if request is not None:
+                request.batch_id = 0
+                self.scheduler.requeue(d.model, item_id, request.arrived_s)
 
     def _prepared_batch(self, d: Dispatch) -> tuple[Batch, list[Any]]:
         decoded = []

@@ -109,6 +109,7 @@ class Client:
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe means a wake-up is pending already
         self._futures: dict[int, tuple[concurrent.futures.Future, float | None, bool]] = {}
         self._state = _Pending()
         self._closed = False
@@ -155,10 +156,15 @@ class Client:
             raise BrokerUnavailable(f"no answer from the broker at {self.endpoint} in {timeout_s}s") from None
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._post(("close",))
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._outbox.append(("close",))
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
         self._thread.join(timeout=5)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -166,8 +172,6 @@ class Client:
     # ---- internals ----
 
     def _submit(self, model: str, body: Any, timeout_ms: int | None, with_meta: bool) -> concurrent.futures.Future:
-        if self._closed:
-            raise RuntimeError("client is closed")
         frames = payload.encode(body)
         timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -176,6 +180,8 @@ class Client:
 
     def _post(self, item: tuple[Any, ...]) -> None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
             self._outbox.append(item)
         try:
             os.write(self._wake_w, b"\0")
@@ -229,6 +235,14 @@ class Client:
                 self._housekeeping(sock, codec)
         finally:
             self._fail_all(BrokerUnavailable("the client was closed"))
+            with self._lock:
+                leftover, self._outbox = self._outbox, []
+            for item in leftover:  # posted just before close: answer them too
+                if item[0] != "close" and not item[1].done():
+                    item[1].set_exception(BrokerUnavailable("the client was closed"))
+            for waiter in health_waiters.values():
+                if not waiter.done():
+                    waiter.set_exception(BrokerUnavailable("the client was closed"))
             sock.close(linger=0)
             self._ctx.term()
 
@@ -258,7 +272,7 @@ class Client:
         future, _, with_meta = entry
         try:
             answer = _answer(reply, frames)
-        except ZserveError as exc:
+        except Exception as exc:  # a ZserveError, or a payload that does not decode: never kill the IO thread
             future.set_exception(exc)
         else:
             future.set_result(answer if with_meta else answer.value)
@@ -331,8 +345,8 @@ class AsyncClient:
         if not self._futures:
             self._state.last_heard_s = time.monotonic()
         self._futures[req_id] = future
-        await self._send([self._codec.encode(Submit(req_id, model, timeout_ms or 0, decoded)), *frames])
         try:
+            await self._send([self._codec.encode(Submit(req_id, model, timeout_ms or 0, decoded)), *frames])
             if timeout_ms:
                 reply, reply_frames = await asyncio.wait_for(future, timeout_ms / 1000.0 + _DEADLINE_GRACE_S)
             else:

@@ -169,13 +169,14 @@ class Streamer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the streamer is closed")
+            max_queue = self._scheduler.policies[_MODEL].max_queue
+            if self._scheduler.depth(_MODEL) + len(items) > max_queue:  # all or nothing
+                raise Overloaded(f"{len(items)} more items would pass max_queue ({max_queue})")
             now = time.monotonic()
             for item in items:
                 item_id = next(self._ids)
-                if self._scheduler.submit(_MODEL, item_id, now) is not Admission.ACCEPTED:
-                    for part in parts:
-                        part.cancel()
-                    raise Overloaded(f"more than {self._scheduler.policies[_MODEL].max_queue} items queued")
+                admitted = self._scheduler.submit(_MODEL, item_id, now)
+                assert admitted is Admission.ACCEPTED
                 part: concurrent.futures.Future = concurrent.futures.Future()
                 self._futures[item_id] = (part, item)
                 parts.append(part)
@@ -246,14 +247,20 @@ class Streamer:
         try:
             outputs = runner(list(items))
         except BaseException as exc:
-            for part in parts:
-                part.set_exception(exc)
+            outcomes = [(None, exc)] * len(parts)
         else:
-            for part, output in zip(parts, outputs, strict=True):
+            outcomes = [(output, None) for output in outputs]
+        finally:
+            with self._lock:
+                self._pool.finish(dispatch.batch_id)
+                self._lock.notify_all()
+        for part, (output, exc) in zip(parts, outcomes, strict=True):
+            if part.done():
+                continue  # cancelled by its caller
+            if exc is not None:
+                part.set_exception(exc)
+            else:
                 part.set_result(output)
-        with self._lock:
-            self._pool.finish(dispatch.batch_id)
-            self._lock.notify_all()
 
 
 def _gather(parts: list[concurrent.futures.Future], result: concurrent.futures.Future) -> None:

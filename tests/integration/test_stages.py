@@ -80,3 +80,18 @@ def test_a_stage_slow_past_the_deadline_does_not_block_the_others(cluster_factor
     assert busy_one in {p.pid for p in stages}
     with pytest.raises(zserve.DeadlineExceeded):
         stuck.result(timeout=30)
+
+
+def test_an_item_answered_while_in_a_stage_does_not_fail_its_batch_mates(cluster_factory):
+    c, _ = start(cluster_factory, stage_delay=0.5, stages=1)
+    client = c.client()
+    blocker = client.submit("staged", "first")  # holds the only stage for 0.5 s
+    time.sleep(0.05)
+    doomed = client.submit("staged", "short-lived", timeout_ms=700)  # batched with the mates; expires in the stage
+    mates = [client.submit("staged", i) for i in range(5)]
+    assert blocker.result(timeout=30)["echo"] == "first"
+    with pytest.raises(zserve.DeadlineExceeded):
+        doomed.result(timeout=30)
+    results = [f.result(timeout=30) for f in mates]
+    assert [r["echo"] for r in results] == list(range(5))
+    assert {r["batch"] for r in results} == {6}  # computed in one batch with the expired item

@@ -85,3 +85,16 @@ def test_processes_load_the_model_once_each_and_never_in_the_parent(tmp_path):
     assert sorted(o[0] for o in outputs) == sorted([i for i in range(40)] + [i + 1000 for i in range(40)])
     assert {o[1] for o in outputs} <= pids
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in children if p.pid in pids)
+
+
+def test_an_overloaded_submit_queues_nothing_and_the_streamer_keeps_serving():
+    from zserve import Overloaded
+
+    with Streamer(slow_double, max_batch_size=4, max_queue=6) as streamer:
+        busy = streamer.submit([1])  # the worker takes it at once
+        time.sleep(0.005)
+        queued = streamer.submit([2, 3, 4, 5])
+        with pytest.raises(Overloaded):
+            streamer.submit(list(range(10)))  # would pass max_queue: none of it is queued
+        assert busy.result()[0][0] == 2 and [r[0] for r in queued.result()] == [4, 6, 8, 10]
+        assert streamer.predict([7]) == [(14, 1)]
