@@ -223,6 +223,10 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 continue
+            try:  # whatever the dead child left in its session (a gunicorn worker, a helper) goes with it
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             while child.restarts and now - child.restarts[0] > s.restart_window_s:
                 child.restarts.popleft()
             if len(child.restarts) >= s.max_restarts:
