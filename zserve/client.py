@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from zserve import payload
 from zserve.config import endpoints_for, load_config, run_dir_for
-from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ZserveError, error_for
+from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError, ZserveError, error_for
 from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Status, Submit
 from zserve.transport import make_socket
 
@@ -145,7 +145,10 @@ class Client:
         prompts are sent together, so they are batched together."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         futures = [self.submit(model, {"prompt": p, **sampling}) for p in prompts]
-        return [msgspec.convert(f.result(), GenerateResponse) for f in futures]
+        try:
+            return [msgspec.convert(f.result(), GenerateResponse) for f in futures]
+        except msgspec.ValidationError as exc:
+            raise ModelError(f"model {model!r} did not answer like a generative model: {exc}") from None
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         future: concurrent.futures.Future = concurrent.futures.Future()

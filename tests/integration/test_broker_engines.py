@@ -31,11 +31,17 @@ delay_s = {delay}
 """
 
 
-def test_requests_are_batched_and_each_gets_its_own_answer(cluster_factory):
-    c = cluster_factory(SLOW.format(delay=0.05))
+def one_engine(cluster_factory, delay: float):
+    """A broker and one SlowEcho engine, ready."""
+    c = cluster_factory(SLOW.format(delay=delay))
     c.start_broker()
     c.start_engine("slow", 0)
     c.wait_ready({"slow": 1})
+    return c
+
+
+def test_requests_are_batched_and_each_gets_its_own_answer(cluster_factory):
+    c = one_engine(cluster_factory, delay=0.05)
     client = c.client()
     futures = [client._submit("slow", {"i": i}, None, with_meta=True) for i in range(64)]
     answers = [f.result(timeout=30) for f in futures]
@@ -125,10 +131,7 @@ def test_overload_deadline_unknown_model_and_bad_input(cluster_factory):
 
 
 def test_async_client_and_many_futures_from_one_thread(cluster_factory):
-    c = cluster_factory(SLOW.format(delay=0.01))
-    c.start_broker()
-    c.start_engine("slow", 0)
-    c.wait_ready({"slow": 1})
+    c = one_engine(cluster_factory, delay=0.01)
 
     async def main():
         async with zserve.AsyncClient(c.sup.endpoints.client) as client:
@@ -145,10 +148,7 @@ def test_async_client_and_many_futures_from_one_thread(cluster_factory):
 
 
 def test_malformed_frames_do_not_stop_the_broker(cluster_factory):
-    c = cluster_factory(SLOW.format(delay=0.0))
-    c.start_broker()
-    c.start_engine("slow", 0)
-    c.wait_ready({"slow": 1})
+    c = one_engine(cluster_factory, delay=0.0)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(c.sup.endpoints.client)
@@ -195,3 +195,9 @@ def test_client_endpoint_may_be_tcp_and_from_config_finds_it(cluster_factory, tm
     with zserve.Client.from_config(path) as client:
         assert client.endpoint == f"tcp://127.0.0.1:{port}"
         assert client.predict("slow", "over tcp")["echo"] == "over tcp"
+
+
+def test_generate_on_a_model_that_is_not_generative_is_a_clear_error(cluster_factory):
+    client = one_engine(cluster_factory, delay=0.0).client()
+    with pytest.raises(zserve.ModelError, match="did not answer like a generative model"):
+        client.generate(["hi"], model="slow")

@@ -76,3 +76,26 @@ def test_the_mii_style_flow_serve_generate_terminate(tiny_path):
         assert all(r.finish_reason == "length" and r.generated_text for r in responses)
     finally:
         assert client.terminate() == 0
+
+
+def test_bad_requests_and_options_are_clear_errors(pipe):
+    with pytest.raises(zserve.BadRequest) as info:
+        pipe.model.decode_request({"text": "no prompt"})
+    assert info.value.field == "prompt"
+    assert pipe.model.decode_request("plain text") == {"prompt": "plain text"}
+    with pytest.raises(ValueError, match="needs the `path` option"):
+        zserve.pipeline("zserve.models.causal_lm:CausalLM")
+    [bad] = pipe.model.predict([{"prompt": "x", "colour": "blue"}])  # an unknown option fails that request only
+    assert isinstance(bad, zserve.BadRequest)
+
+
+def test_serve_refuses_a_model_defined_in_main():
+    from zserve.config import ConfigError
+
+    class Local(zserve.Model):
+        def predict(self, batch):
+            return batch
+
+    Local.__module__ = "__main__"
+    with pytest.raises(ConfigError, match="define it in a module"):
+        zserve.serve(Local)
