@@ -17,26 +17,8 @@ def burn(ms: float) -> None:
         pass
 
 
-class BurnStaged(Model):
-    """preprocess burns ``burn_ms`` of CPU per item on a stage; predict spends ``device_ms`` per batch."""
-
-    def __init__(self, burn_ms: float = 1.0, device_ms: float = 32.0) -> None:
-        super().__init__(burn_ms=burn_ms, device_ms=device_ms)
-        self.burn_ms = float(burn_ms)
-        self.device_ms = float(device_ms)
-
-    def preprocess(self, items: list[Any]) -> list[Any]:
-        for _ in items:
-            burn(self.burn_ms)
-        return items
-
-    def predict(self, batch: list[Any]) -> list[Any]:
-        time.sleep(self.device_ms / 1000.0)
-        return batch
-
-
 class BurnInline(Model):
-    """The same work, serially inside the engine process (no stage)."""
+    """``burn_ms`` of CPU per item, then ``device_ms`` per batch, serially inside the engine (no stage)."""
 
     def __init__(self, burn_ms: float = 1.0, device_ms: float = 32.0) -> None:
         super().__init__(burn_ms=burn_ms, device_ms=device_ms)
@@ -46,6 +28,19 @@ class BurnInline(Model):
     def predict(self, batch: list[Any]) -> list[Any]:
         for _ in batch:
             burn(self.burn_ms)
+        time.sleep(self.device_ms / 1000.0)
+        return batch
+
+
+class BurnStaged(BurnInline):
+    """The same work split: the CPU part in ``preprocess`` on a stage, the device part in ``predict``."""
+
+    def preprocess(self, items: list[Any]) -> list[Any]:
+        for _ in items:
+            burn(self.burn_ms)
+        return items
+
+    def predict(self, batch: list[Any]) -> list[Any]:
         time.sleep(self.device_ms / 1000.0)
         return batch
 

@@ -15,7 +15,6 @@ import http.client
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import psutil
 
 from bench_paths import BENCH, VENV_BIN
 from catalog import thread_env
+from zserve.transport import free_tcp_port
 
 _open: list[Managed] = []
 _PR_SET_PDEATHSIG = 1
@@ -46,10 +46,7 @@ class ProcessError(RuntimeError):
     """A child failed to start or become ready; the message carries the tail of its output."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_tcp_port
 
 
 class Stopped(BaseException):

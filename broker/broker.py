@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -89,10 +90,12 @@ class Broker:
             log.info("cannot send to %r: %s", identity, exc.strerror)
             return False
 
-    def _reply(self, request: Request, status: Status, message: str = "", **extra: Any) -> None:
+    def _reply(
+        self, request: Request, status: Status, message: str = "", frames: Sequence[Any] = (), **fields: Any
+    ) -> None:
+        """The request's one answer (``fields``: the rest of Reply), and its removal from the table."""
         self.requests.pop(request.item_id)
-        frames = extra.pop("frames", [])
-        reply = Reply(request.req_id, status, message, **extra)
+        reply = Reply(request.req_id, status, message, **fields)
         self._send(self.client, request.client, [self.codec.encode(reply), *frames])
 
     def _fail_batch(self, batch: InFlightBatch, why: str) -> None:

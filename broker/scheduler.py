@@ -99,6 +99,10 @@ class Scheduler:
     def add_prepared(self, model: str, item_ids: list[int], frames: list[Any]) -> None:
         self._prepared[model].append(Prepared(item_ids, frames))
 
+    def _role(self, model: str) -> str:
+        """Who takes a model's queued batches: its preprocess stages if it has them, else its engines."""
+        return PREPROCESS if model in self.staged else ENGINE
+
     def _new_batch_id(self) -> int:
         self._next_batch_id += 1
         return self._next_batch_id - 1
@@ -129,7 +133,7 @@ class Scheduler:
                 self.pool.start(worker, batch_id, model, batch.item_ids, now)
                 out.append(Dispatch(batch_id, model, worker, batch.item_ids, batch))
             policy = self.policies[model]
-            role = PREPROCESS if model in self.staged else ENGINE
+            role = self._role(model)
             while queue:
                 if role == PREPROCESS and not self._feeds_stage(model):
                     break
@@ -157,7 +161,7 @@ class Scheduler:
         such deadline is pending (only new arrivals or results can make a batch ready)."""
         best: float | None = None
         for model, queue in self._queues.items():
-            role = PREPROCESS if model in self.staged else ENGINE
+            role = self._role(model)
             if not queue or self.pool.best(model, role) is None:
                 continue
             if role == PREPROCESS and not (self._feeds_stage(model) and self._engine_would_wait(model)):

@@ -3,6 +3,7 @@ no clock of its own (``now`` is passed in, in seconds)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 ENGINE = "engine"
@@ -107,20 +108,23 @@ class WorkerPool:
         lost = [w for w in self.workers.values() if now - w.last_seen_s > self.liveness_s]
         return [(w, self.remove(w.worker_id)) for w in lost]
 
+    def _serving(self, model: str, role: str) -> Iterator[Worker]:
+        return (w for w in self.workers.values() if w.role == role and model in w.models)
+
     def ready_count(self, model: str, role: str = ENGINE) -> int:
-        return sum(1 for w in self.workers.values() if w.role == role and model in w.models)
+        return sum(1 for _ in self._serving(model, role))
 
     def busy_count(self, model: str, role: str = ENGINE) -> int:
-        return sum(1 for w in self.workers.values() if w.role == role and model in w.models and w.in_flight)
+        return sum(1 for w in self._serving(model, role) if w.in_flight)
 
     def free_credit_total(self, model: str, role: str = ENGINE) -> int:
-        return sum(w.free_credits for w in self.workers.values() if w.role == role and model in w.models)
+        return sum(w.free_credits for w in self._serving(model, role))
 
     def in_flight_batches(self, model: str, role: str = ENGINE) -> int:
         return sum(1 for b in self._batches.values() if b.model == model and b.role == role)
 
     def credit_total(self, model: str, role: str = ENGINE) -> int:
-        return sum(w.credits for w in self.workers.values() if w.role == role and model in w.models)
+        return sum(w.credits for w in self._serving(model, role))
 
     def in_flight_items(self, model: str) -> int:
         return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)

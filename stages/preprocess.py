@@ -42,9 +42,8 @@ class PreprocessRunner:
                 prepared = payload.encode(self.model.preprocess(values))
             except Exception as exc:
                 log.warning("batch %d: preprocess raised %s: %s", batch.batch_id, type(exc).__name__, exc)
-                failure = Failure.from_exception(exc, Status.BAD_REQUEST, f"preprocess stage {self.worker_id}")
-                if failure.status == Status.BAD_REQUEST and not failure.message.startswith("preprocess stage"):
-                    failure.message = f"preprocess stage {self.worker_id}: {failure.message}"
+                failure = Failure.from_exception(exc, Status.BAD_REQUEST, "preprocess")
+                failure.message = f"preprocess stage {self.worker_id}: {failure.message}"
                 outcomes = [o or failure for o in outcomes]
         result = ResultBuilder()
         for outcome in outcomes:
@@ -53,7 +52,7 @@ class PreprocessRunner:
             else:
                 result.ok([])  # its data is in the prepared payload
         compute_ms = (time.perf_counter() - started) * 1000.0
-        return result.build(batch.batch_id, self.worker_id, compute_ms, prepared if values else None)
+        return result.build(batch.batch_id, self.worker_id, compute_ms, prepared)
 
 
 def start_stage(model: Model, device: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,11 +14,9 @@ from pathlib import Path
 import psutil
 from cluster import subprocess_env
 
+from zserve.transport import free_tcp_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_tcp_port
 
 
 class Deployment:

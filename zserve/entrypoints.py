@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import msgspec
 from zserve.client import Client, endpoint_from_config
 from zserve.config import Config, ConfigError, ModelConfig, load_config, to_toml
 from zserve.model import Model, load_handler, predict_inline, setup_inline
+from zserve.transport import free_tcp_port
 
 _FRONTEND_KEYS = {"port", "host", "workers", "max_body_bytes"}
 
@@ -117,12 +117,6 @@ class ServedClient(Client):
         return code
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config_for(target: str | os.PathLike[str] | Model | type[Model], overrides: dict[str, Any]) -> Config:
     if isinstance(target, str | os.PathLike) and (str(target).endswith(".toml") or Path(target).is_file()):
         config = load_config(target)
@@ -135,7 +129,7 @@ def _config_for(target: str | os.PathLike[str] | Model | type[Model], overrides:
         model_keys = {k: overrides.pop(k) for k in list(overrides) if k in ModelConfig.__struct_fields__}
         spec = ModelConfig(name=name, handler=handler, options=model.options, **model_keys)
         config = Config(models=[spec])
-        config.frontends.port = _free_port()
+        config.frontends.port = free_tcp_port()
     frontends = {k: overrides.pop(k) for k in list(overrides) if k in _FRONTEND_KEYS}
     if overrides:
         raise TypeError(f"unknown overrides {sorted(overrides)}")

@@ -39,8 +39,8 @@ from zserve.config import (
     run_dir_for,
 )
 from zserve.errors import BrokerUnavailable
-from zserve.hooks import HookError, check_preprocess_hooks, uses_preprocess
-from zserve.model import load_handler
+from zserve.hooks import HookError, check_preprocess_hooks
+from zserve.model import load_handler, uses_preprocess
 
 log = logging.getLogger("zserve.supervisor")
 

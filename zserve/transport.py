@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 
 import zmq
@@ -42,6 +43,13 @@ def make_socket(
     else:
         sock.connect(endpoint)
     return sock
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

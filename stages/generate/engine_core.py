@@ -93,28 +93,28 @@ class EngineCore:
             n = c.end - c.start
             ids += c.seq.tokens[c.start : c.end]
             positions += range(c.start, c.end)
-            writes.append(self._slots(c.seq, c.start, c.end))
+            read = self._slots(c.seq, 0, c.end)  # every KV slot the chunk attends to; it writes the last n
+            writes.append(read[c.start :])
             if n == 1 and c.start > 0:
-                decodes.append((row, c))
+                decodes.append((row, c, read))
             else:
-                mask = (
-                    None
-                    if c.start == 0
-                    else torch.arange(c.end).unsqueeze(0) <= torch.arange(c.start, c.end).unsqueeze(1)
-                )
-                prefills.append((row, row + n, self._slots(c.seq, 0, c.end), mask))
+                # a later chunk of a prompt sees everything before it, and itself causally
+                mask = None
+                if c.start > 0:
+                    mask = torch.arange(c.end).unsqueeze(0) <= torch.arange(c.start, c.end).unsqueeze(1)
+                prefills.append((row, row + n, read, mask))
             row += n
             if c.samples:
                 sample_rows.append(row - 1)
         meta = StepMeta(torch.cat(writes), None, None, None, prefills)
         if decodes:
-            longest = max(c.end for _, c in decodes)
+            longest = max(c.end for _, c, _ in decodes)
             slots = torch.zeros(len(decodes), longest, dtype=torch.long)
             mask = torch.zeros(len(decodes), 1, 1, longest, dtype=torch.bool)
-            for i, (_, c) in enumerate(decodes):
-                slots[i, : c.end] = self._slots(c.seq, 0, c.end)
+            for i, (_, c, read) in enumerate(decodes):
+                slots[i, : c.end] = read
                 mask[i, 0, 0, : c.end] = True
-            meta.decode_rows = torch.tensor([r for r, _ in decodes])
+            meta.decode_rows = torch.tensor([r for r, _, _ in decodes])
             meta.decode_slots, meta.decode_mask = slots, mask
         return ids, positions, meta, sample_rows
 

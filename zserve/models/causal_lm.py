@@ -19,15 +19,9 @@ from typing import Any
 
 import msgspec
 
+from zserve.client import GenerateResponse
 from zserve.errors import BadRequest
 from zserve.model import Model
-
-
-class Response(msgspec.Struct):
-    generated_text: str
-    generated_length: int
-    prompt_length: int
-    finish_reason: str
 
 
 class CausalLM(Model):
@@ -94,7 +88,7 @@ class CausalLM(Model):
                 outputs[i] = response
         return outputs
 
-    def encode_response(self, output: Response) -> dict[str, Any]:
+    def encode_response(self, output: GenerateResponse) -> dict[str, Any]:
         return msgspec.to_builtins(output)
 
     def generate(
@@ -110,7 +104,7 @@ class CausalLM(Model):
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         on_delta: Callable[[int, str], None] | None = None,
-    ) -> list[Response]:
+    ) -> list[GenerateResponse]:
         """One Response per prompt; ``on_delta(index, text)`` streams text as it is produced."""
         from zserve.stages.generate.detokenize import TextStream
         from zserve.stages.generate.sequence import SamplingParams
@@ -150,6 +144,6 @@ class CausalLM(Model):
                 if delta and on_delta is not None:
                     on_delta(i, delta)
         return [
-            Response(s.text, n, p, reasons[i])
+            GenerateResponse(s.text, n, p, reasons[i])
             for i, (s, n, p) in enumerate(zip(streams, lengths, prompt_lengths, strict=True))
         ]
