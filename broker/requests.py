@@ -21,6 +21,8 @@ class Request:
     attempts: int = 0  # dispatches that were lost with their worker
     dispatched_s: float = 0.0
     batch_id: int = 0  # 0 while queued
+    stream: bool = False  # generative: the client wants Chunks
+    chunks_sent: int = 0  # a streamed request with chunks out cannot be re-dispatched (text would repeat)
 
 
 class RequestTable:

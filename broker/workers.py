@@ -31,6 +31,8 @@ class Worker:
     last_seen_s: float
     last_dispatch_s: float = 0.0
     busy: bool = False  # from its last heartbeat: inside predict right now
+    kv_blocks: int = 0  # generative engines: KV pool size, and what was free at the last report
+    free_kv_blocks: int = 0
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
 
     @property
@@ -45,12 +47,23 @@ class WorkerPool:
         self._batches: dict[int, InFlightBatch] = {}
 
     def register(
-        self, worker_id: bytes, *, name: str, pid: int, role: str, models: list[str], credits: int, now: float
+        self,
+        worker_id: bytes,
+        *,
+        name: str,
+        pid: int,
+        role: str,
+        models: list[str],
+        credits: int,
+        now: float,
+        kv_blocks: int = 0,
     ) -> list[InFlightBatch]:
         """Add (or re-add) a worker. A worker that says Hello again has lost whatever it held: those
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
-        self.workers[worker_id] = Worker(worker_id, name, pid, role, tuple(models), credits, now)
+        self.workers[worker_id] = Worker(
+            worker_id, name, pid, role, tuple(models), credits, now, kv_blocks=kv_blocks, free_kv_blocks=kv_blocks
+        )
         return orphans
 
     def remove(self, worker_id: bytes) -> list[InFlightBatch]:
@@ -61,7 +74,7 @@ class WorkerPool:
             self._batches.pop(batch_id, None)
         return list(worker.in_flight.values())
 
-    def seen(self, worker_id: bytes, now: float, busy: bool | None = None) -> bool:
+    def seen(self, worker_id: bytes, now: float, busy: bool | None = None, free_kv_blocks: int = -1) -> bool:
         """Note a sign of life; False if the worker is unknown (it must say Hello again)."""
         worker = self.workers.get(worker_id)
         if worker is None:
@@ -69,21 +82,24 @@ class WorkerPool:
         worker.last_seen_s = now
         if busy is not None:
             worker.busy = busy
+        if free_kv_blocks >= 0:
+            worker.free_kv_blocks = free_kv_blocks
         return True
 
     def best(self, model: str, role: str = ENGINE) -> Worker | None:
-        """The ``role`` worker to give the next batch of ``model``: has credit, holds the fewest batches,
-        and was used least recently (spreads load over workers)."""
+        """The ``role`` worker to give the next batch of ``model``: has credit, holds the fewest batches
+        (for a generative engine: sequences), then has the most free KV blocks, then was used least
+        recently (spreads load over workers)."""
         chosen = None
         for worker in self.workers.values():
             if worker.role != role or model not in worker.models or worker.free_credits <= 0:
                 continue
-            if chosen is None or (len(worker.in_flight), worker.last_dispatch_s) < (
-                len(chosen.in_flight),
-                chosen.last_dispatch_s,
-            ):
+            if chosen is None or _load(worker) < _load(chosen):
                 chosen = worker
         return chosen
+
+    def batch(self, batch_id: int) -> InFlightBatch | None:
+        return self._batches.get(batch_id)
 
     def start(self, worker: Worker, batch_id: int, model: str, item_ids: list[int], now: float) -> InFlightBatch:
         if worker.free_credits <= 0:
@@ -128,3 +144,10 @@ class WorkerPool:
 
     def in_flight_items(self, model: str) -> int:
         return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)
+
+    def free_kv_blocks(self, model: str) -> int:
+        return sum(w.free_kv_blocks for w in self._serving(model, ENGINE))
+
+
+def _load(worker: Worker) -> tuple[int, int, float]:
+    return (len(worker.in_flight), -worker.free_kv_blocks, worker.last_dispatch_s)

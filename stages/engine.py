@@ -23,7 +23,7 @@ from zserve.errors import BadRequest
 from zserve.model import Model
 from zserve.protocol import Batch, BatchResult, Status
 from zserve.stages.items import Failure, ResultBuilder, decode_items
-from zserve.stages.runtime import run_worker
+from zserve.stages.runtime import WorkerLink, run_worker
 
 log = logging.getLogger("zserve.engine")
 
@@ -88,8 +88,17 @@ def start_engine(model: Model, device: str) -> None:
     model.warmup()
 
 
+def make_runner(model: Model, link: WorkerLink) -> Any:
+    """Batch models run batch by batch; generative models run sequences, every step, on the engine core."""
+    if model.generative:
+        from zserve.stages.generate.runner import GenerationRunner
+
+        return GenerationRunner(model, link)
+    return BatchRunner(model, link.worker_id)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_worker("engine", __doc__, start_engine, BatchRunner, argv)
+    return run_worker("engine", __doc__, start_engine, make_runner, argv)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def start_stage(model: Model, device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_worker("preprocess", __doc__, start_stage, PreprocessRunner, argv)
+    return run_worker(
+        "preprocess", __doc__, start_stage, lambda model, link: PreprocessRunner(model, link.worker_id), argv
+    )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ import zmq
 from zserve.config import ModelConfig
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
-from zserve.protocol import Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
+from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
 from zserve.transport import die_with_parent, make_socket
 
 log = logging.getLogger("zserve.worker")
 
-BatchHandler = Callable[[Batch, list[Any]], tuple[BatchResult, list[Any]]]
+# A handler answers a Batch with its result, or with None when the answer goes out later on a socket of its
+# own (the generative engine streams one StepOutput per step).
+BatchHandler = Callable[[Batch, list[Any]], tuple[BatchResult, list[Any]] | None]
 
 
 class WorkerLink:
@@ -54,6 +56,8 @@ class WorkerLink:
         self.role = role
         self.models = models
         self.credits = credits
+        self.kv_blocks = 0  # a generative engine's KV pool, declared in its Hello
+        self.free_kv_blocks = -1  # and what is free now, in every heartbeat (-1: not generative)
         self.work_endpoint = work_endpoint
         self.out_endpoint = out_endpoint
         self.interval_s = heartbeat_interval_ms / 1000.0
@@ -83,7 +87,7 @@ class WorkerLink:
 
     def _hello(self) -> None:
         self.registered.clear()
-        hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits)
+        hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks)
         self.dealer.send(self.codec.encode(hello))
 
     def _heartbeats(self) -> None:
@@ -93,13 +97,20 @@ class WorkerLink:
             while not self.stop.wait(self.interval_s):
                 if self.registered.is_set():
                     try:
-                        push.send(codec.encode(Heartbeat(self.worker_id, self.busy)), zmq.NOBLOCK)
+                        push.send(codec.encode(Heartbeat(self.worker_id, self.busy, self.free_kv_blocks)), zmq.NOBLOCK)
                     except zmq.Again:
                         pass  # broker unreachable; the compute thread notices its silence
         finally:
             push.close(linger=0)
 
-    def serve(self, handle: BatchHandler) -> None:
+    def serve(
+        self,
+        handle: BatchHandler,
+        on_abort: Callable[[list[int]], None] | None = None,
+        on_reset: Callable[[], None] | None = None,
+    ) -> None:
+        """Run until SIGTERM or Shutdown. ``on_abort(batch_ids)``: the broker cancelled work in progress;
+        ``on_reset()``: the broker forgot this worker (restart, expiry), so whatever it holds is orphaned."""
         self._connect()
         self._hello()
         log.info("%s registering with the broker (%d credits)", self.worker_id, self.credits)
@@ -111,6 +122,8 @@ class WorkerLink:
                 if not self.dealer.poll(int(self.interval_s * 1000)):
                     if time.monotonic() - last_broker_s > self.liveness_s:
                         log.warning("%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s)
+                        if on_reset is not None:
+                            on_reset()
                         self._connect()
                         self._hello()
                         last_broker_s = time.monotonic()
@@ -121,16 +134,23 @@ class WorkerLink:
                 if isinstance(msg, Batch):
                     self.busy = True
                     try:
-                        result, out = handle(msg, frames[1:])
+                        answer = handle(msg, frames[1:])
                     finally:
                         self.busy = False
-                    self.push.send_multipart([self.codec.encode(result), *out], copy=False)
+                    if answer is not None:
+                        result, out = answer
+                        self.push.send_multipart([self.codec.encode(result), *out], copy=False)
+                elif isinstance(msg, Abort):
+                    if on_abort is not None:
+                        on_abort(msg.batch_ids)
                 elif isinstance(msg, Heartbeat):
                     if not self.registered.is_set():
                         self.registered.set()
                         log.info("%s registered", self.worker_id)
                 elif isinstance(msg, Reset):
                     log.info("%s: broker asked to register again (%s)", self.worker_id, msg.reason)
+                    if on_reset is not None:
+                        on_reset()
                     self._hello()
                 elif isinstance(msg, Shutdown):
                     log.info("%s: broker asked to shut down (%s)", self.worker_id, msg.reason)
@@ -153,12 +173,13 @@ def run_worker(
     role: str,
     description: str | None,
     start: Callable[[Model, str], None],
-    make_runner: Callable[[Model, str], Any],
+    make_runner: Callable[[Model, WorkerLink], Any],
     argv: list[str] | None = None,
 ) -> int:
     """The main of every worker process: parse the supervisor's arguments, load the handler, ``start`` it
     (setup + warm-up for engines, setup_preprocess for stages), register, and serve batches with
-    ``make_runner(model, worker_id).run`` until SIGTERM or Shutdown."""
+    the runner ``make_runner(model, link)`` returns (its ``run``, and its ``abort``/``reset`` if it has them)
+    until SIGTERM or Shutdown; a runner may set the link's credits before it registers."""
     parser = argparse.ArgumentParser(prog=f"python -m zserve.stages.{role}", description=description)
     parser.add_argument("--name", required=True, help="process name, e.g. engine-echo-0")
     parser.add_argument("--model-json", required=True, help="the model's [[models]] table as JSON")
@@ -197,6 +218,10 @@ def run_worker(
         sys.modules["torch"].set_num_threads(config.threads)
     log.info("%s %s ready after %.1fs", role, config.name, time.monotonic() - started)
     if not link.stop.is_set():
-        link.serve(make_runner(model, link.worker_id).run)
+        runner = make_runner(model, link)
+        link.serve(runner.run, getattr(runner, "abort", None), getattr(runner, "reset", None))
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
     log.info("%s exiting", args.name)
     return 0

@@ -4,6 +4,11 @@
   flight from one thread). One I/O thread owns the socket.
 * ``AsyncClient``: ``await predict(...)`` from asyncio; the frontends use it too.
 
+Generative models: ``generate(prompts, model=..., **sampling)`` returns one ``GenerateResponse`` per prompt
+(all prompts in flight at once, so the engine batches them); ``generate_stream(prompt, model=...)`` yields
+text deltas as the engine produces them, and holds the whole response in ``.response`` at the end. Closing
+a stream early (``break``, ``close()``) cancels the request: the engine frees its KV blocks at once.
+
 Payloads sent here are raw request bodies: the engine runs the model's ``decode_request`` and
 ``encode_response`` hooks, so ``client.predict("embed", {"text": "hi"})`` answers exactly what
 ``POST /v1/models/embed/predict`` would. Errors arrive as the typed exceptions of ``zserve.errors``.
@@ -18,9 +23,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import os
+import queue
 import random
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,22 +37,75 @@ import zmq.asyncio
 
 from zserve import payload
 from zserve.config import endpoints_for, load_config, run_dir_for
-from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError, ZserveError, error_for
-from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Status, Submit
+from zserve.errors import (
+    BrokerUnavailable,
+    Cancelled,
+    DeadlineExceeded,
+    EngineLost,
+    ModelError,
+    ZserveError,
+    error_for,
+)
+from zserve.generation import GenerateResponse
+from zserve.protocol import Cancel, Chunk, Codec, HealthQuery, HealthReport, Reply, Status, Submit
 from zserve.transport import make_socket
 
 PING_INTERVAL_S = 1.0
 BROKER_SILENCE_S = 5.0  # pending requests fail after this long without a word from the broker
 _DEADLINE_GRACE_S = 1.0  # the broker answers DEADLINE_EXCEEDED itself; this only guards against its loss
+_END = object()  # a stream's last item: the reply is in its future
 
 
-class GenerateResponse(msgspec.Struct):
-    """A generative model's answer to one prompt (the fields DeepSpeed-MII's responses have)."""
+def _prompt_body(prompt: Any, sampling: dict[str, Any]) -> Any:
+    """A prompt (text), or chat messages (a list of {"role", "content"}), with sampling options."""
+    key = "messages" if isinstance(prompt, list) else "prompt"
+    return {key: prompt, **sampling}
 
-    generated_text: str
-    generated_length: int
-    prompt_length: int
-    finish_reason: str
+
+def _response(model: str, value: Any) -> GenerateResponse:
+    try:
+        return msgspec.convert(value, GenerateResponse)
+    except msgspec.ValidationError as exc:
+        raise ModelError(f"model {model!r} did not answer like a generative model: {exc}") from None
+
+
+class GenerationStream:
+    """Text deltas of one generation, as they are produced; ``response`` once it is exhausted."""
+
+    def __init__(self, client: Client, model: str, req_id: int, future: concurrent.futures.Future) -> None:
+        self._client = client
+        self._model = model
+        self._req_id = req_id
+        self._future = future
+        self.chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.response: GenerateResponse | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self.response is not None:
+            raise StopIteration
+        item = self.chunks.get()
+        if item is _END:
+            self.response = _response(self._model, self._future.result())
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop early: the request is cancelled and the engine frees its blocks."""
+        if not self._future.done():
+            self._client._post(("cancel", self._req_id))
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._future.done() and not self._client._closed:
+            self.close()
 
 
 @dataclass(slots=True)
@@ -111,6 +171,7 @@ class Client:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)  # a full pipe means a wake-up is pending already
         self._futures: dict[int, tuple[concurrent.futures.Future, float | None, bool]] = {}
+        self._streams: dict[int, queue.SimpleQueue] = {}  # streamed requests' chunk queues (IO thread only)
         self._state = _Pending()
         self._closed = False
         self._thread = threading.Thread(target=self._io_loop, name="zserve-client-io", daemon=True)
@@ -139,16 +200,28 @@ class Client:
         """Like ``predict``, with the batch size and queue time the request saw."""
         return self._submit(model, body, timeout_ms, with_meta=True).result()
 
-    def generate(self, prompts: str | list[str], *, model: str, **sampling: Any) -> list[GenerateResponse]:
-        """One response per prompt from a generative model (``CausalLM``): ``max_new_tokens``,
-        ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``. The
-        prompts are sent together, so they are batched together."""
+    def generate(
+        self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
+    ) -> list[GenerateResponse]:
+        """One response per prompt from a generative model (``CausalLM``). ``sampling``: ``max_new_tokens``,
+        ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
+        ``ignore_eos``. The prompts are in flight together, so the engine runs them together."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        futures = [self.submit(model, {"prompt": p, **sampling}) for p in prompts]
-        try:
-            return [msgspec.convert(f.result(), GenerateResponse) for f in futures]
-        except msgspec.ValidationError as exc:
-            raise ModelError(f"model {model!r} did not answer like a generative model: {exc}") from None
+        futures = [self.submit(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts]
+        return [_response(model, f.result()) for f in futures]
+
+    def generate_stream(
+        self, prompt: str | list[dict[str, str]], *, model: str, timeout_ms: int | None = None, **sampling: Any
+    ) -> GenerationStream:
+        """Iterate over the text as it is generated; ``.response`` holds the whole response at the end.
+        ``prompt`` is a text, or chat messages ``[{"role": "user", "content": "..."}]``."""
+        frames = payload.encode(_prompt_body(prompt, sampling))
+        timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        req_id = next(self._state.ids)
+        stream = GenerationStream(self, model, req_id, future)
+        self._post(("submit", future, model, frames, timeout_ms or 0, False, req_id, stream.chunks))
+        return stream
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -213,6 +286,9 @@ class Client:
                     for item in outbox:
                         if item[0] == "close":
                             return
+                        if item[0] == "cancel":
+                            self._cancel(sock, codec, item[1])
+                            continue
                         if item[0] == "health":
                             qid = next(query_ids)
                             health_waiters[qid] = item[1]
@@ -229,6 +305,11 @@ class Client:
                         if isinstance(msg, Reply):
                             state.heard()
                             self._resolve(msg, frames[1:])
+                        elif isinstance(msg, Chunk):
+                            state.heard()
+                            chunks = self._streams.get(msg.req_id)
+                            if chunks is not None:
+                                chunks.put(msg.text)
                         elif isinstance(msg, HealthReport):
                             if state.heard(msg):
                                 self._fail_all(EngineLost("the broker restarted; the request was lost"))
@@ -241,7 +322,7 @@ class Client:
             with self._lock:
                 leftover, self._outbox = self._outbox, []
             for item in leftover:  # posted just before close: answer them too
-                if item[0] != "close" and not item[1].done():
+                if item[0] not in ("close", "cancel") and not item[1].done():
                     item[1].set_exception(BrokerUnavailable("the client was closed"))
             for waiter in health_waiters.values():
                 if not waiter.done():
@@ -258,18 +339,39 @@ class Client:
         frames: list[Any],
         timeout_ms: int,
         with_meta: bool,
+        req_id: int | None = None,
+        chunks: queue.SimpleQueue | None = None,
     ) -> None:
         if not future.set_running_or_notify_cancel():
             return
-        req_id = next(self._state.ids)
+        if req_id is None:
+            req_id = next(self._state.ids)
+        if chunks is not None:
+            self._streams[req_id] = chunks
         if not self._futures:
             self._state.last_heard_s = time.monotonic()  # silence is measured from the first pending request
         guard = time.monotonic() + timeout_ms / 1000.0 + _DEADLINE_GRACE_S if timeout_ms else None
         self._futures[req_id] = (future, guard, with_meta)
-        sock.send_multipart([codec.encode(Submit(req_id, model, timeout_ms, False)), *frames], copy=False)
+        submit = Submit(req_id, model, timeout_ms, False, stream=chunks is not None)
+        sock.send_multipart([codec.encode(submit), *frames], copy=False)
+
+    def _cancel(self, sock: zmq.Socket, codec: Codec, req_id: int) -> None:
+        entry = self._futures.pop(req_id, None)
+        if entry is None:
+            return
+        sock.send(codec.encode(Cancel(req_id)))
+        self._end_stream(req_id)
+        if not entry[0].done():
+            entry[0].set_exception(Cancelled("cancelled by the caller"))
+
+    def _end_stream(self, req_id: int) -> None:
+        chunks = self._streams.pop(req_id, None)
+        if chunks is not None:
+            chunks.put(_END)
 
     def _resolve(self, reply: Reply, frames: list[Any]) -> None:
         entry = self._futures.pop(reply.req_id, None)
+        self._end_stream(reply.req_id)
         if entry is None:
             return  # answered already (local deadline), or cancelled
         future, _, with_meta = entry
@@ -285,6 +387,8 @@ class Client:
         for future, _, _ in futures.values():
             if not future.done():
                 future.set_exception(type(exc)(exc.message))
+        for req_id in list(self._streams):
+            self._end_stream(req_id)
 
     def _housekeeping(self, sock: zmq.Socket, codec: Codec) -> None:
         if not self._futures:
@@ -295,10 +399,71 @@ class Client:
                 del self._futures[req_id]
                 sock.send(codec.encode(Cancel(req_id)))
                 future.set_exception(DeadlineExceeded("no answer before the deadline"))
+                self._end_stream(req_id)
         if self._state.silent(now):
             self._fail_all(BrokerUnavailable(f"the broker at {self.endpoint} stopped answering"))
         elif self._state.ping_due(now):
             sock.send(codec.encode(HealthQuery(0)))
+
+
+class AsyncGenerationStream:
+    """``async for delta in stream``: text deltas of one generation; ``response`` once it is exhausted.
+    Leaving the loop early (or ``await stream.aclose()``) cancels the request."""
+
+    def __init__(self, client: AsyncClient, model: str, frames: list[Any], timeout_ms: int, decoded: bool) -> None:
+        self._client = client
+        self._model = model
+        self._frames = frames
+        self._timeout_ms = timeout_ms
+        self._decoded = decoded
+        self._req_id: int | None = None
+        self._chunks: asyncio.Queue = asyncio.Queue()
+        self._deadline: float | None = None
+        self.num_tokens = 0  # tokens generated so far, from the last chunk
+        self.response: GenerateResponse | None = None
+        self.answer: Answer | None = None
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.answer is not None:
+            raise StopAsyncIteration
+        client = self._client
+        if self._req_id is None:
+            self._req_id = await client._start_stream(self._model, self._frames, self._timeout_ms, self._decoded, self)
+            if self._timeout_ms:
+                self._deadline = time.monotonic() + self._timeout_ms / 1000.0 + _DEADLINE_GRACE_S
+        try:
+            if self._deadline is None:
+                item = await self._chunks.get()
+            else:
+                item = await asyncio.wait_for(self._chunks.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            await self.aclose()
+            raise DeadlineExceeded("no answer before the deadline") from None
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if isinstance(item, Chunk):
+            self.num_tokens = item.num_tokens
+            return item.text
+        client._streams.pop(self._req_id, None)
+        if isinstance(item, ZserveError):
+            raise item
+        reply, frames = item
+        self.answer = _answer(reply, frames)
+        self.response = _response(self._model, self.answer.value)
+        self.num_tokens = self.response.generated_length
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop early: the request is cancelled and the engine frees its blocks."""
+        if self._req_id is not None and self.answer is None and self._client._streams.pop(self._req_id, None):
+            await self._client._cancel(self._req_id)
+
+    def _put(self, item: Any) -> None:
+        self._chunks.put_nowait(item)
 
 
 class AsyncClient:
@@ -313,6 +478,7 @@ class AsyncClient:
         self._state = _Pending()
         self._futures: dict[int, asyncio.Future] = {}
         self._health: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, AsyncGenerationStream] = {}
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
 
@@ -366,6 +532,46 @@ class AsyncClient:
             self._futures.pop(req_id, None)
         return _answer(reply, reply_frames)
 
+    async def generate(
+        self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
+    ) -> list[GenerateResponse]:
+        """One response per prompt from a generative model, all in flight together (see ``Client.generate``)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        values = await asyncio.gather(
+            *(self.predict(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts)
+        )
+        return [_response(model, v) for v in values]
+
+    def generate_stream(
+        self,
+        prompt: str | list[dict[str, str]] | dict[str, Any],
+        *,
+        model: str,
+        timeout_ms: int | None = None,
+        decoded: bool = False,
+        **sampling: Any,
+    ) -> AsyncGenerationStream:
+        """``async for delta in client.generate_stream("...", model="lm")``; ``prompt`` is a text, chat
+        messages, or (with ``decoded=True``, as the frontends do) a body ``decode_request`` already made."""
+        body = prompt if isinstance(prompt, dict) else _prompt_body(prompt, sampling)
+        timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
+        return AsyncGenerationStream(self, model, payload.encode(body), timeout_ms or 0, decoded)
+
+    async def _start_stream(
+        self, model: str, frames: list[Any], timeout_ms: int, decoded: bool, stream: AsyncGenerationStream
+    ) -> int:
+        self._socket()
+        req_id = next(self._state.ids)
+        if not self._futures and not self._streams:
+            self._state.last_heard_s = time.monotonic()
+        self._streams[req_id] = stream
+        await self._send([self._codec.encode(Submit(req_id, model, timeout_ms, decoded, stream=True)), *frames])
+        return req_id
+
+    async def _cancel(self, req_id: int) -> None:
+        if self._sock is not None and not self._sock.closed:
+            await self._send([self._codec.encode(Cancel(req_id))])
+
     async def _send(self, frames: list[Any]) -> None:
         """Send without a future per message: zmq.asyncio's awaitable send costs more than the HTTP request
         it serves. The base class's send is the same libzmq call; only when the pipe is full (far past
@@ -414,9 +620,17 @@ class AsyncClient:
         msg = self._codec.decode(frames[0].buffer, "broker")
         if isinstance(msg, Reply):
             self._state.heard()
+            stream = self._streams.get(msg.req_id)
+            if stream is not None:
+                stream._put((msg, frames[1:]))
             future = self._futures.get(msg.req_id)
             if future is not None and not future.done():
                 future.set_result((msg, frames[1:]))
+        elif isinstance(msg, Chunk):
+            self._state.heard()
+            stream = self._streams.get(msg.req_id)
+            if stream is not None:
+                stream._put(msg)
         elif isinstance(msg, HealthReport):
             if self._state.heard(msg):
                 self._fail_all(EngineLost("the broker restarted; the request was lost"))
@@ -427,7 +641,7 @@ class AsyncClient:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            if not self._futures:
+            if not self._futures and not self._streams:
                 continue
             now = time.monotonic()
             if self._state.silent(now):
@@ -439,6 +653,9 @@ class AsyncClient:
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(type(exc)(exc.message))
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._put(type(exc)(exc.message))
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -20,6 +20,10 @@ class Model:
     request/response hooks), so it must stay cheap: load weights in ``setup``.
     """
 
+    # True for autoregressive models (``zserve.models.causal_lm:CausalLM``): their engine batches sequences
+    # at every step instead of running the broker's batches, and they can stream.
+    generative: bool = False
+
     def __init__(self, **options: Any) -> None:
         self.options = options
 

@@ -44,6 +44,7 @@ class Submit(Msg, tag=1):
     model: str
     timeout_ms: int = 0  # relative; 0 = the model's configured timeout_ms
     decoded: bool = False  # True: decode_request already ran (frontends); False: the engine runs the hooks
+    stream: bool = False  # generative models: send Chunk messages as text is produced, then the Reply
 
 
 class Cancel(Msg, tag=2):
@@ -62,6 +63,15 @@ class Reply(Msg, tag=3):
     compute_ms: float = 0.0  # time the batch spent in the worker
 
 
+class Chunk(Msg, tag=6):
+    """Broker -> client, for a streamed generative request: text produced since the last Chunk. The
+    request ends with its one Reply (the whole response), as every request does."""
+
+    req_id: int
+    text: str
+    num_tokens: int = 0  # tokens generated so far
+
+
 class HealthQuery(Msg, tag=4):
     query_id: int
 
@@ -76,6 +86,9 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     prepared_depth: int = 0  # preprocessed batches waiting for an engine
     engine_busy_s: float = 0.0  # compute time reported by workers, summed since the broker started
     preprocess_busy_s: float = 0.0
+    generative: bool = False
+    running_sequences: int = 0  # generative: sequences held by engines (running or waiting for KV blocks)
+    free_kv_blocks: int = 0  # generative: free KV blocks over all engines, from their last report
 
 
 class HealthReport(Msg, tag=5):
@@ -97,8 +110,9 @@ class Hello(Msg, tag=20):
     pid: int
     role: str  # "engine"; "preprocess" comes with the stage issue
     models: list[str]
-    credits: int
+    credits: int  # batches it may hold; for a generative engine: sequences (its max_running)
     protocol: int = PROTOCOL_VERSION
+    kv_blocks: int = 0  # generative engines: the KV pool's size, in blocks
 
 
 class Batch(Msg, tag=21):
@@ -112,6 +126,7 @@ class Batch(Msg, tag=21):
     # True: the frames are one payload, what a preprocess stage made of all the items together
     # (frame_counts then has a single entry); the engine passes it to predict as is.
     prepared: bool = False
+    stream: list[bool] = []  # generative: per item, whether its client wants Chunks
 
 
 class BatchResult(Msg, tag=22):
@@ -132,6 +147,7 @@ class BatchResult(Msg, tag=22):
 class Heartbeat(Msg, tag=23):
     sender: str
     busy: bool = False
+    free_kv_blocks: int = -1  # generative engines; -1 = not reported
 
 
 class Reset(Msg, tag=24):
@@ -146,8 +162,46 @@ class Shutdown(Msg, tag=25):
     reason: str = ""
 
 
+class Abort(Msg, tag=26):
+    """Broker -> generative engine: stop these sequences now and free their blocks (cancelled, expired)."""
+
+    batch_ids: list[int]
+
+
+class StepOutput(Msg, tag=27):
+    """Generative engine -> broker: one message per engine step, for every sequence with news. A sequence
+    is a batch of one (``batch_ids``); an entry with ``finished`` is its last, and carries the whole
+    response as payload frames (``frame_counts``, concatenated after the header) when its status is OK.
+    """
+
+    worker: str
+    batch_ids: list[int]
+    texts: list[str]  # new text since the last entry (streamed requests only; "" otherwise)
+    num_tokens: list[int]  # tokens generated so far
+    finished: list[bool]
+    statuses: list[Status]
+    messages: list[str]
+    frame_counts: list[int]
+    free_kv_blocks: int = -1
+    step_ms: float = 0.0  # compute time of the step(s) this message reports
+    fields: list[str] = []  # per entry: the offending input field of a BAD_REQUEST
+
+
 Message = (
-    Submit | Cancel | Reply | HealthQuery | HealthReport | Hello | Batch | BatchResult | Heartbeat | Reset | Shutdown
+    Submit
+    | Cancel
+    | Reply
+    | Chunk
+    | HealthQuery
+    | HealthReport
+    | Hello
+    | Batch
+    | BatchResult
+    | Heartbeat
+    | Reset
+    | Shutdown
+    | Abort
+    | StepOutput
 )
 
 

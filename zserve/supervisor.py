@@ -48,11 +48,12 @@ _TICK_S = 0.1
 _MAX_BACKOFF_S = 10.0
 
 
-def staged_models(config: Config) -> list[str]:
-    """The models whose handler overrides ``preprocess`` (they get stage processes). Loads each handler
+def model_kinds(config: Config) -> tuple[list[str], list[str]]:
+    """(staged, generative): the models whose handler overrides ``preprocess`` (they get stage processes),
+    and those whose handler is generative (batched per step inside their engines). Loads each handler
     class (constructors only, no weights) and checks its hooks, so that a broken handler fails here, at
     start, with a message that names it."""
-    staged = []
+    staged, generative = [], []
     for m in config.models:
         try:
             handler = load_handler(m.handler, m.options)
@@ -61,7 +62,9 @@ def staged_models(config: Config) -> list[str]:
             raise ConfigError(f"models[{m.name}]: {exc}") from None
         if uses_preprocess(type(handler)):
             staged.append(m.name)
-    return staged
+        if handler.generative:
+            generative.append(m.name)
+    return staged, generative
 
 
 class StartupError(RuntimeError):
@@ -90,7 +93,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.gave_up = False
         self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
-        self.staged = staged_models(config)  # models with a preprocess stage; raises ConfigError
+        self.staged, self.generative = model_kinds(config)  # raises ConfigError
         self.children: list[Child] = []
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
         f = config.frontends
@@ -125,7 +128,8 @@ class Supervisor:
         config_json = msgspec.json.encode(self.config).decode()
         argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", config_json,
                 "--client", e.client, "--work", e.work, "--out", e.out,
-                "--staged-models", ",".join(self.staged)]  # fmt: skip
+                "--staged-models", ",".join(self.staged),
+                "--generative-models", ",".join(self.generative)]  # fmt: skip
         return Child("broker", "broker", argv, self._base_env())
 
     def engine_child(self, model: ModelConfig, index: int) -> Child:

@@ -56,11 +56,23 @@ class EngineCore:
         self.sequences: dict[int, Sequence] = {}
         self._generators: dict[int, torch.Generator] = {}
 
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` (prompt + new) can ever fit the KV pool."""
+        return self.blocks.blocks_needed(num_tokens) <= len(self.blocks.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks.blocks)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.num_free
+
     def add(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         if not prompt_ids:
             raise ValueError("empty prompt")
         seq = Sequence(list(prompt_ids), params or SamplingParams())
-        if self.blocks.blocks_needed(len(seq.tokens) + seq.params.max_new_tokens) > len(self.blocks.blocks):
+        if not self.fits(len(seq.tokens) + seq.params.max_new_tokens):
             raise ValueError(
                 f"prompt + max_new_tokens needs more KV blocks than the pool has ({len(self.blocks.blocks)})"
             )
@@ -120,6 +132,11 @@ class EngineCore:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
+        if len(seq.generated) < p.min_new_tokens:
+            banned = [t for t in (*self.eos_ids, *p.stop_token_ids) if t < logits.numel()]
+            if banned:
+                logits = logits.clone()
+                logits[banned] = float("-inf")
         if p.temperature <= 0:
             return int(logits.argmax())
         logits = logits.float() / p.temperature

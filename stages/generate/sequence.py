@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # eos and stop ids cannot be sampled before this many tokens
 
 
 @dataclass(slots=True)

@@ -81,12 +81,16 @@ def test_the_mii_style_flow_serve_generate_terminate(tiny_path):
 def test_bad_requests_and_options_are_clear_errors(pipe):
     with pytest.raises(zserve.BadRequest) as info:
         pipe.model.decode_request({"text": "no prompt"})
-    assert info.value.field == "prompt"
+    assert info.value.field == "text"  # the unknown field is named
     assert pipe.model.decode_request("plain text") == {"prompt": "plain text"}
     with pytest.raises(ValueError, match="needs the `path` option"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM")
-    [bad] = pipe.model.predict([{"prompt": "x", "colour": "blue"}])  # an unknown option fails that request only
-    assert isinstance(bad, zserve.BadRequest)
+    with pytest.raises(zserve.BadRequest) as info:  # an unknown option is named
+        pipe.model.decode_request({"prompt": "x", "colour": "blue"})
+    assert info.value.field == "colour"
+    with pytest.raises(zserve.BadRequest) as info:
+        pipe(["x"], temperature=-1)
+    assert info.value.field == "temperature"
 
 
 def test_serve_refuses_a_model_defined_in_main():

@@ -2,35 +2,53 @@
 (``zserve.stages.generate``): continuous batching over a paged KV cache, chunked prefill, per-request
 sampling, stop ids and strings, incremental detokenisation.
 
-Options: ``path`` (a local folder or hub name for ``from_pretrained``), ``gguf_file``, ``dtype``
-("float32", "bfloat16", "float16"), and the engine knobs ``num_blocks``, ``block_size``,
-``max_batched_tokens``, ``max_running``, ``chunked_prefill``, ``max_new_tokens`` (default per request).
+Served, it runs in a generative engine process (``zserve.stages.generate.runner``): the broker admits
+sequences one by one and every engine step serves all of them. In-process (``zserve.pipeline``),
+``generate`` drives the same core directly.
 
-In progress (generative-engine issue): ``generate`` runs the engine in this process (``zserve.pipeline``);
-served through the broker, ``predict`` runs each broker batch to completion, so sequences from different
-batches do not yet share steps. The dedicated engine shell (sequences admitted one by one, per-step
-streaming) is not built.
+Options: ``path`` (a local folder, a hub name, or ``package:NAME`` for an installed package's folder),
+``gguf_file`` (converted once into a cache, see ``zserve.gguf_cache``), ``dtype`` ("float32", "bfloat16",
+"float16"), and the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of the free
+memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
+budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
+``chunked_prefill``, ``max_new_tokens`` (the default per request).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from zserve.client import GenerateResponse
 from zserve.errors import BadRequest
+from zserve.generation import GenerateRequest, GenerateResponse, parse_generate_request
 from zserve.model import Model
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+_GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    """A request ready for the engine core: token ids, sampling parameters, stop strings."""
+
+    prompt_ids: list[int]
+    params: Any  # zserve.stages.generate.sequence.SamplingParams (torch is imported lazily)
+    stop: list[str]
 
 
 class CausalLM(Model):
+    generative = True  # served by the generative engine: sequences, not batches
+
     def __init__(
         self,
         path: str = "",
         gguf_file: str = "",
         dtype: str = "float32",
-        num_blocks: int = 1024,
+        kv_cache_bytes: int = 0,
+        num_blocks: int = 0,
         block_size: int = 16,
         max_batched_tokens: int = 256,
         max_running: int = 64,
@@ -38,95 +56,134 @@ class CausalLM(Model):
         max_new_tokens: int = 64,
     ) -> None:
         super().__init__(
-            path=path, gguf_file=gguf_file, dtype=dtype, num_blocks=num_blocks, block_size=block_size,
-            max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill,
-            max_new_tokens=max_new_tokens,
+            path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
+            block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
+            chunked_prefill=chunked_prefill, max_new_tokens=max_new_tokens,
         )  # fmt: skip
         if not path:
-            raise ValueError("CausalLM needs the `path` option (a local folder or hub name)")
+            raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {dtype!r} must be one of float32, bfloat16, float16")
         self.path = path
         self.gguf_file = gguf_file
         self.dtype = dtype
         self.max_new_tokens = int(max_new_tokens)
+        self.max_running = int(max_running)
+
+    # ---- engine side ----
 
     def setup(self, device: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from zserve.gguf_cache import converted_path, resolve_model_path
         from zserve.stages.generate.engine_core import EngineCore
 
-        extra = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, **extra)
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype), **extra)
+        path = resolve_model_path(self.path)
+        if self.gguf_file:  # transformers' GGUF loader takes ~45 s: convert once, then load the cache
+            path = str(converted_path(path, self.gguf_file, self.dtype))
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.dtype)).to(device)
         o = self.options
+        block_size = int(o["block_size"])
+        num_blocks = int(o["num_blocks"]) or self._pool_blocks(model, device, block_size)
         self.core = EngineCore(
-            model.to(device), num_blocks=o["num_blocks"], block_size=o["block_size"],
-            max_batched_tokens=o["max_batched_tokens"], max_running=o["max_running"],
-            chunked_prefill=o["chunked_prefill"],
+            model, num_blocks=num_blocks, block_size=block_size, max_batched_tokens=o["max_batched_tokens"],
+            max_running=self.max_running, chunked_prefill=o["chunked_prefill"],
         )  # fmt: skip
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+    def _pool_blocks(self, model: Any, device: str, block_size: int) -> int:
+        import torch
+
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        per_block = 2 * c.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * block_size
+        budget = int(self.options["kv_cache_bytes"])
+        if not budget:
+            if device.startswith("cuda"):
+                free, _ = torch.cuda.mem_get_info(torch.device(device))
+                budget = int(free * _GPU_MEMORY_FRACTION)
+            else:
+                budget = _CPU_KV_CACHE_BYTES
+        return max(1, budget // per_block)
+
+    def warmup(self) -> None:
+        self.generate(["warm up"], max_new_tokens=2, ignore_eos=True)
+
+    def prepare(self, request: GenerateRequest) -> PreparedPrompt:
+        """Tokenise (applying the chat template to ``messages``) and check the lengths."""
+        from zserve.stages.generate.sequence import SamplingParams
+
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [msgspec.to_builtins(m) for m in request.messages], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenisation", field="prompt")
+        room = self.max_context - len(ids)
+        if room < 1:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_context}", field="prompt"
+            )
+        max_new = request.max_new_tokens or min(self.max_new_tokens, room)
+        if request.max_new_tokens and request.max_new_tokens > room:
+            raise BadRequest(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) is over this model's "
+                f"context of {self.max_context} tokens",
+                field="max_new_tokens",
+            )
+        if request.max_length is not None:
+            if request.max_length <= len(ids):
+                raise BadRequest(f"max_length {request.max_length} leaves no room after {len(ids)} prompt tokens",
+                                 field="max_length")  # fmt: skip
+            max_new = min(max_new, request.max_length - len(ids))
+        if not self.core.fits(len(ids) + max_new):
+            raise BadRequest(
+                f"prompt + max_new_tokens ({len(ids) + max_new} tokens) is more than the KV cache holds", field="prompt"
+            )
+        params = SamplingParams(
+            max_new_tokens=max_new, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            seed=request.seed, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+            min_new_tokens=request.min_new_tokens,
+        )  # fmt: skip
+        return PreparedPrompt(ids, params, list(request.stop))
+
+    # ---- request hooks (frontends, and the engine for direct clients) ----
 
     def decode_request(self, body: Any) -> dict[str, Any]:
-        if isinstance(body, str):
-            body = {"prompt": body}
-        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
-            raise BadRequest('body must be {"prompt": "...", ...sampling options}', field="prompt")
-        return body
+        return msgspec.to_builtins(parse_generate_request(body))
 
-    def predict(self, batch: list[dict[str, Any]]) -> list[Any]:
-        """One broker batch, run to completion. Requests with the same options share one engine run."""
-        groups: dict[bytes, list[int]] = {}
-        for i, item in enumerate(batch):
-            options = {k: v for k, v in item.items() if k != "prompt"}
-            groups.setdefault(msgspec.json.encode(options, order="sorted"), []).append(i)
-        outputs: list[Any] = [None] * len(batch)
-        for key, members in groups.items():
-            try:
-                responses = self.generate([batch[i]["prompt"] for i in members], **msgspec.json.decode(key))
-            except TypeError as exc:  # an unknown option
-                responses = [BadRequest(str(exc))] * len(members)
-            for i, response in zip(members, responses, strict=True):
-                outputs[i] = response
-        return outputs
+    def encode_response(self, output: GenerateResponse | dict[str, Any]) -> dict[str, Any]:
+        return output if isinstance(output, dict) else msgspec.to_builtins(output)
 
-    def encode_response(self, output: GenerateResponse) -> dict[str, Any]:
-        return msgspec.to_builtins(output)
+    # ---- in process (zserve.pipeline) ----
 
     def generate(
         self,
         prompts: str | Sequence[str],
         *,
-        max_new_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         on_delta: Callable[[int, str], None] | None = None,
+        **sampling: Any,
     ) -> list[GenerateResponse]:
-        """One Response per prompt; ``on_delta(index, text)`` streams text as it is produced."""
+        """One response per prompt, generated together in this process. ``sampling``: the fields of
+        ``GenerateRequest`` (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+        ``stop_token_ids``, ``ignore_eos``, ``min_new_tokens``, ``max_length``); ``on_delta(index, text)``
+        streams text as it is produced."""
         from zserve.stages.generate.detokenize import TextStream
-        from zserve.stages.generate.sequence import SamplingParams
 
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        try:
-            params = SamplingParams(
-                max_new_tokens=int(max_new_tokens or self.max_new_tokens), temperature=float(temperature),
-                top_k=int(top_k), top_p=float(top_p), seed=seed, stop_token_ids=tuple(stop_token_ids),
-                ignore_eos=bool(ignore_eos),
-            )  # fmt: skip
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(f"bad sampling option: {exc}") from None
+        prepared = [self.prepare(parse_generate_request({"prompt": p, **sampling})) for p in prompts]
         index: dict[int, int] = {}
         streams: list[TextStream] = []
         lengths = [0] * len(prompts)
-        prompt_lengths = []
-        for i, prompt in enumerate(prompts):
-            ids = self.tokenizer(prompt)["input_ids"]
-            prompt_lengths.append(len(ids))
-            streams.append(TextStream(self.tokenizer, list(stop), prompt_ids=ids))
-            index[self.core.add(ids, params)] = i
+        for i, p in enumerate(prepared):
+            streams.append(TextStream(self.tokenizer, p.stop, prompt_ids=p.prompt_ids))
+            index[self.core.add(p.prompt_ids, p.params)] = i
         reasons: dict[int, str] = {}
         while len(reasons) < len(prompts):
             for out in self.core.step():
@@ -144,6 +201,6 @@ class CausalLM(Model):
                 if delta and on_delta is not None:
                     on_delta(i, delta)
         return [
-            GenerateResponse(s.text, n, p, reasons[i])
-            for i, (s, n, p) in enumerate(zip(streams, lengths, prompt_lengths, strict=True))
+            GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i])
+            for i, (s, n, p) in enumerate(zip(streams, lengths, prepared, strict=True))
         ]

@@ -1,0 +1,275 @@
+"""The generative engine's process shell: sequences in, one StepOutput per engine step out.
+
+Three threads, one job each, connected by in-process queues only:
+  * the link's thread (``WorkerLink.serve``) owns the DEALER: it decodes and tokenises each admitted
+    sequence (a Batch of one) and forwards aborts;
+  * the step thread owns the engine core: it adds and aborts sequences between steps and runs the steps
+    back to back while there is work. It touches no socket and does no text work, so on a GPU the device
+    never waits for Python string handling;
+  * the output thread owns a PUSH: it detokenises (incrementally, outside the step loop), watches for stop
+    strings (and asks the step thread to abort a sequence that hit one), and sends what every sequence
+    produced in a step as one message. When it falls behind, it folds several steps into one message.
+
+The broker admits at most ``max_running`` sequences to this engine (its credits) and learns the free KV
+blocks from every StepOutput and heartbeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from zserve import payload
+from zserve.generation import GenerateResponse, parse_generate_request
+from zserve.protocol import Batch, Codec, Status, StepOutput
+from zserve.stages.generate.detokenize import TextStream
+from zserve.stages.items import Failure
+from zserve.stages.runtime import WorkerLink
+from zserve.transport import make_socket
+
+log = logging.getLogger("zserve.generate")
+
+_IDLE_WAIT_S = 0.1  # the step thread's wait for work when it has none (it wakes at once on new work)
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A sequence ready for the core (tokenised on the link's thread)."""
+
+    batch_id: int
+    stream: bool
+    decoded: bool
+    prompt: Any  # causal_lm.PreparedPrompt
+
+
+@dataclass(slots=True)
+class _Output:
+    """The output thread's view of one sequence."""
+
+    stream: bool
+    decoded: bool
+    text: TextStream
+    prompt_length: int
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str = ""
+    num_tokens: int = 0
+    finished: bool = False
+    status: Status = Status.OK
+    message: str = ""
+    field: str = ""
+    frames: list[Any] = dataclasses.field(default_factory=list)
+
+
+class GenerationRunner:
+    def __init__(self, model: Any, link: WorkerLink) -> None:
+        self.model = model
+        self.core = model.core
+        self.link = link
+        link.credits = model.max_running
+        link.kv_blocks = self.core.num_blocks
+        link.free_kv_blocks = self.core.free_blocks
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # -> output thread
+        self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._step_loop, name="generate-step", daemon=True),
+            threading.Thread(target=self._output_loop, name="generate-output", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- the link's thread ----
+
+    def run(self, batch: Batch, frames: list[Any]) -> None:
+        """Admit one sequence (the broker sends a generative engine Batches of one). Its answer comes later,
+        from the output thread."""
+        batch_id, decoded = batch.batch_id, batch.decoded[0]
+        stream = bool(batch.stream and batch.stream[0])
+        try:
+            body = payload.decode(frames)
+            request = parse_generate_request(body if decoded else self.model.decode_request(body))
+            prompt = self.model.prepare(request)
+        except Exception as exc:
+            self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
+        else:
+            self.inbox.put(("add", Admitted(batch_id, stream, decoded, prompt)))
+
+    def abort(self, batch_ids: list[int]) -> None:
+        self.inbox.put(("abort", batch_ids))
+
+    def reset(self) -> None:
+        self.inbox.put(("reset", None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop", None))
+        self.outbox.put(("stop", None, None))
+        for t in self._threads:
+            t.join(timeout=10)
+        self._ctx.term()
+
+    # ---- the step thread ----
+
+    def _step_loop(self) -> None:
+        seq_of: dict[int, int] = {}  # batch id -> core seq id
+        batch_of: dict[int, int] = {}  # core seq id -> batch id
+
+        def drop(batch_id: int) -> None:
+            seq_id = seq_of.pop(batch_id, None)
+            if seq_id is not None:
+                batch_of.pop(seq_id, None)
+                self.core.abort(seq_id)
+            self.outbox.put(("drop", batch_id, None))
+
+        while not self._stop.is_set():
+            try:
+                kind, item = self.inbox.get(timeout=None if not self.core.has_work() else 0)
+            except queue.Empty:
+                kind = None
+            while kind is not None:
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    try:
+                        seq_id = self.core.add(item.prompt.prompt_ids, item.prompt.params)
+                    except ValueError as exc:
+                        self.outbox.put(("fail", item.batch_id, Failure(Status.BAD_REQUEST, str(exc), "prompt")))
+                    else:
+                        seq_of[item.batch_id], batch_of[seq_id] = seq_id, item.batch_id
+                        self.outbox.put(("start", item.batch_id, item))
+                elif kind == "abort":
+                    for batch_id in item:
+                        drop(batch_id)
+                elif kind == "reset":  # the broker forgot us: nobody waits for these any more
+                    for batch_id in list(seq_of):
+                        drop(batch_id)
+                try:
+                    kind, item = self.inbox.get_nowait()
+                except queue.Empty:
+                    kind = None
+            self.link.free_kv_blocks = self.core.free_blocks  # aborts free blocks too; heartbeats carry it
+            if not self.core.has_work():
+                self.link.busy = False
+                continue
+            self.link.busy = True
+            started = time.perf_counter()
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # a bug or a device error: fail what ran, keep serving
+                why = "".join(traceback.format_exception_only(exc)).strip()
+                log.error("engine step failed: %s; failing %d sequences", why, len(seq_of))
+                for batch_id in list(seq_of):
+                    drop(batch_id)
+                    self.outbox.put(("fail", batch_id, Failure(Status.INTERNAL, f"engine step raised {why}")))
+                continue
+            step_ms = (time.perf_counter() - started) * 1000.0
+            tokens = []
+            for out in outputs:
+                batch_id = batch_of.get(out.seq_id)
+                if batch_id is None:
+                    continue
+                tokens.append((batch_id, out.token_id, out.finish_reason))
+                if out.finish_reason:
+                    del batch_of[out.seq_id], seq_of[batch_id]
+            self.link.free_kv_blocks = self.core.free_blocks
+            self.outbox.put(("step", tokens, (step_ms, self.core.free_blocks)))
+
+    # ---- the output thread ----
+
+    def _output_loop(self) -> None:
+        codec = Codec()
+        push = make_socket(self._ctx, zmq.PUSH, self.link.out_endpoint, bind=False, linger_ms=2000)
+        sequences: dict[int, _Output] = {}
+        try:
+            while True:
+                news = [self.outbox.get()]
+                while True:  # fold whatever else is queued into this message
+                    try:
+                        news.append(self.outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                entries: dict[int, _Entry] = {}
+                step_ms, free_blocks = 0.0, -1
+                for kind, batch_id_or_tokens, extra in news:
+                    if kind == "stop":
+                        return
+                    if kind == "step":
+                        self._tokens(batch_id_or_tokens, sequences, entries)
+                        step_ms += extra[0]
+                        free_blocks = extra[1]
+                    elif kind == "start":
+                        a: Admitted = extra
+                        text = TextStream(self.model.tokenizer, a.prompt.stop, prompt_ids=a.prompt.prompt_ids)
+                        sequences[batch_id_or_tokens] = _Output(a.stream, a.decoded, text, len(a.prompt.prompt_ids))
+                    elif kind == "drop":
+                        sequences.pop(batch_id_or_tokens, None)
+                    elif kind == "fail":
+                        failure: Failure = extra
+                        sequences.pop(batch_id_or_tokens, None)
+                        entries[batch_id_or_tokens] = _Entry(
+                            finished=True, status=failure.status, message=failure.message, field=failure.field
+                        )
+                if entries or free_blocks >= 0:
+                    push.send_multipart(self._message(codec, entries, step_ms, free_blocks), copy=False)
+        finally:
+            push.close(linger=2000)
+
+    def _tokens(
+        self, tokens: list[tuple[int, int, str | None]], sequences: dict[int, _Output], entries: dict[int, _Entry]
+    ) -> None:
+        for batch_id, token_id, reason in tokens:
+            seq = sequences.get(batch_id)
+            if seq is None:
+                continue  # aborted, or stopped by a stop string a step ago
+            seq.num_tokens += 1
+            delta = seq.text.push(token_id)
+            if seq.text.stopped:
+                reason = "stop"
+                self.inbox.put(("abort", [batch_id]))
+            elif reason:
+                delta += seq.text.flush()
+            entry = entries.setdefault(batch_id, _Entry())
+            entry.num_tokens = seq.num_tokens
+            if seq.stream:
+                entry.text += delta
+            if reason:
+                del sequences[batch_id]
+                entry.finished = True
+                response = GenerateResponse(seq.text.text, seq.num_tokens, seq.prompt_length, reason)
+                try:
+                    body = msgspec.to_builtins(response) if seq.decoded else self.model.encode_response(response)
+                    entry.frames = payload.encode(body)
+                except Exception as exc:
+                    entry.status, entry.message = Status.INTERNAL, f"encode_response raised {exc!r}"
+
+    def _message(self, codec: Codec, entries: dict[int, _Entry], step_ms: float, free_blocks: int) -> list[Any]:
+        ids = [b for b, e in entries.items() if e.finished or e.text]  # nothing to say for the rest
+        picked = [entries[b] for b in ids]
+        header = StepOutput(
+            self.link.worker_id,
+            ids,
+            [e.text for e in picked],
+            [e.num_tokens for e in picked],
+            [e.finished for e in picked],
+            [e.status for e in picked],
+            [e.message for e in picked],
+            [len(e.frames) for e in picked],
+            free_blocks,
+            step_ms,
+            [e.field for e in picked],
+        )
+        return [codec.encode(header), *(f for e in picked for f in e.frames)]
