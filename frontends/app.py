@@ -16,6 +16,7 @@ import msgspec
 
 from zserve.client import AsyncClient
 from zserve.config import FrontendSettings
+from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
 from zserve.frontends.resources import (
     Health,
     LiveResource,
@@ -48,6 +49,10 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     app.set_error_serializer(error_serializer)
     app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
     app.add_route("/v1/models", ModelsResource(handlers))
+    if any(h.generative for h in handlers.values()):
+        app.add_route("/v1/completions", CompletionsResource(client, handlers, settings.max_body_bytes))
+        app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, settings.max_body_bytes))
+        app.add_route("/mii/{deployment}", MiiResource(client, handlers, settings.max_body_bytes))
     app.add_route("/healthz", LiveResource())
     staged = [m.name for m in settings.models if m.preprocess]
     app.add_route("/readyz", ReadyResource(health, list(handlers), staged))

@@ -38,6 +38,30 @@ def set_error(resp: falcon.asgi.Response, http_status: int, type_name: str, mess
         resp.set_header("Retry-After", "1")
 
 
+class RequestError(Exception):
+    """An HTTP-level rejection (size, syntax, unknown model) before a request reaches the broker."""
+
+    def __init__(self, status: int, type_name: str, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.type_name = type_name
+        self.message = message
+        self.field = field
+
+
+async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
+    """The request's JSON body, at most ``max_body_bytes`` (413 past it, 400 if it is not JSON)."""
+    if req.content_length is not None and req.content_length > max_body_bytes:
+        raise RequestError(413, "payload_too_large", f"body of {req.content_length} bytes is over {max_body_bytes}")
+    raw = await req.stream.read(max_body_bytes + 1)
+    if len(raw) > max_body_bytes:
+        raise RequestError(413, "payload_too_large", f"body is over {max_body_bytes} bytes")
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(400, "bad_request", f"body is not valid JSON: {exc}", "body") from None
+
+
 class Health:
     """Broker health, fetched at most every READY_CACHE_S per worker."""
 
@@ -76,20 +100,11 @@ class PredictResource:
         self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model
     ) -> tuple[int, int]:
         """(HTTP status, batch size)."""
-        if req.content_length is not None and req.content_length > self.max_body_bytes:
-            set_error(
-                resp, 413, "payload_too_large", f"body of {req.content_length} bytes is over {self.max_body_bytes}"
-            )
-            return 413, 0
-        raw = await req.stream.read(self.max_body_bytes + 1)
-        if len(raw) > self.max_body_bytes:
-            set_error(resp, 413, "payload_too_large", f"body is over {self.max_body_bytes} bytes")
-            return 413, 0
         try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            set_error(resp, 400, "bad_request", f"body is not valid JSON: {exc}", "body")
-            return 400, 0
+            body = await read_json(req, self.max_body_bytes)
+        except RequestError as exc:
+            set_error(resp, exc.status, exc.type_name, exc.message, exc.field)
+            return exc.status, 0
         try:
             item = handler.decode_request(body)
         except BadRequest as exc:

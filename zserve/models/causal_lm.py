@@ -130,7 +130,8 @@ class CausalLM(Model):
             raise BadRequest(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_context}", field="prompt"
             )
-        max_new = request.max_new_tokens or min(self.max_new_tokens, room)
+        # no max_new_tokens: up to max_length if given (MII), else the model's default
+        max_new = request.max_new_tokens or (room if request.max_length else min(self.max_new_tokens, room))
         if request.max_new_tokens and request.max_new_tokens > room:
             raise BadRequest(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) is over this model's "

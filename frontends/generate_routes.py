@@ -1,0 +1,288 @@
+"""Generation over HTTP: OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` (with
+``stream: true`` as Server-Sent Events) and DeepSpeed-MII's ``/mii/{deployment}``.
+
+Each route translates its body into a ``GenerateRequest`` (``zserve.generation``), validated here, in the
+frontend, so a bad field is a 400 before anything reaches the broker; the engine does the rest. Errors on
+the OpenAI routes come in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from zserve.client import AsyncClient
+from zserve.errors import BadRequest, ZserveError
+from zserve.frontends import metrics
+from zserve.frontends.resources import RequestError, read_json, set_error
+from zserve.generation import GenerateResponse
+from zserve.model import Model
+
+_json = msgspec.json.Encoder()
+# OpenAI fields that would change the output and that we do not implement: refused, never ignored.
+_UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": None,
+                "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None,
+                "response_format": None}  # fmt: skip
+
+
+def openai_error(resp: falcon.asgi.Response, status: int, message: str, param: str = "", code: str = "") -> None:
+    kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
+    resp.status = status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _json.encode(
+        {"error": {"message": message, "type": kind, "param": param or None, "code": code or None}}
+    )
+    if status == 503:
+        resp.set_header("Retry-After", "1")
+
+
+def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+    """The GenerateRequest fields (less prompt/messages) for an OpenAI body, with vLLM's extensions
+    (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``)."""
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name, neutral) not in (neutral, None):
+            raise BadRequest(f"`{name}` is not supported by this server", field=name)
+    for name in ("n",):
+        if body.get(name, 1) != 1:
+            raise BadRequest("only n=1 is supported", field=name)
+    sampling: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    temperature = body.get("temperature")
+    sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default is 1, not greedy
+    for ours, theirs in (("top_p", "top_p"), ("seed", "seed"), ("ignore_eos", "ignore_eos"),
+                         ("min_new_tokens", "min_tokens"), ("stop_token_ids", "stop_token_ids")):  # fmt: skip
+        if body.get(theirs) is not None:
+            sampling[ours] = body[theirs]
+    top_k = body.get("top_k")
+    if top_k is not None:
+        sampling["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
+    stop = body.get("stop")
+    if stop is not None:
+        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    return sampling
+
+
+def _chat_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI messages (content as a string, or a list of text parts) as plain {role, content} pairs."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` must be a non-empty list of {role, content}", field="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest("each message needs a `role` and a `content`", field="messages")
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise BadRequest("only text content parts are supported", field="messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise BadRequest("message content must be a string or text parts", field="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class _GenerateRoute:
+    """What every generation route shares: the generative models, body reading, metrics."""
+
+    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+        self.client = client
+        self.models = {name: h for name, h in handlers.items() if h.generative}
+        self.max_body_bytes = max_body_bytes
+        self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
+
+    def _model(self, name: Any) -> Model:
+        if not isinstance(name, str) or not name:
+            raise BadRequest("`model` is required", field="model")
+        model = self.models.get(name)
+        if model is None:
+            raise RequestError(404, "model_not_found", f"no generative model named {name!r}; see GET /v1/models",
+                               "model")  # fmt: skip
+        return model
+
+    async def _run(self, name: str, item: Any) -> GenerateResponse:
+        answer = await self.client.infer(name, item, decoded=True)
+        return msgspec.convert(answer.value, GenerateResponse)
+
+
+class _OpenAIRoute(_GenerateRoute):
+    object_name = ""  # "text_completion" | "chat.completion"
+    chunk_object_name = ""  # what a streamed event's "object" says
+    id_prefix = ""
+
+    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        started = time.perf_counter()
+        name, code = "", 200
+        try:
+            body = await read_json(req, self.max_body_bytes)
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object", field="body")
+            name = body.get("model")
+            model = self._model(name)
+            items = self._requests(model, body)
+            meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+            if body.get("stream"):
+                if len(items) != 1:
+                    raise BadRequest("streaming takes one prompt per request", field="prompt")
+                usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                resp.sse = self._stream(name, items[0], meta, usage)
+                resp.set_header("Cache-Control", "no-cache")
+                return
+            responses = await asyncio.gather(*(self._run(name, item) for item in items))
+            resp.data = _json.encode(self._completion(meta, responses))
+            resp.content_type = falcon.MEDIA_JSON
+        except RequestError as exc:
+            code = exc.status
+            openai_error(resp, exc.status, exc.message, exc.field, exc.type_name)
+        except ZserveError as exc:
+            code = exc.http_status
+            openai_error(resp, exc.http_status, exc.message, exc.field, exc.type_name)
+        finally:
+            if name in self.metrics:
+                self.metrics[name].answered(code, time.perf_counter() - started)
+
+    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse]) -> dict[str, Any]:
+        prompt_tokens = sum(r.prompt_length for r in responses)
+        completion_tokens = sum(r.generated_length for r in responses)
+        return {
+            **meta,
+            "object": self.object_name,
+            "choices": [self._choice(i, r) for i, r in enumerate(responses)],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def _stream(self, name: str, item: Any, meta: dict[str, Any], usage: bool) -> AsyncIterator[Any]:
+        stream = self.client.generate_stream(item, model=name, decoded=True)
+        chunk = {**meta, "object": self.chunk_object_name}
+        try:
+            first = True
+            async for text in stream:
+                yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(text, first, None)]})
+                first = False
+            r = stream.response
+            yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(None, first, r.finish_reason)]})
+            if usage:
+                usage_chunk = {**chunk, "choices": [], "usage": _usage(r.prompt_length, r.generated_length)}
+                yield falcon.asgi.SSEvent(json=usage_chunk)
+        except ZserveError as exc:  # the status line is out already: the error travels as an event
+            error = {"message": exc.message, "type": exc.type_name, "param": exc.field or None, "code": None}
+            yield falcon.asgi.SSEvent(json={"error": error})
+        finally:
+            await stream.aclose()  # the client went away mid-stream: cancel, free the KV blocks
+        yield falcon.asgi.SSEvent(data=b"[DONE]")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class CompletionsResource(_OpenAIRoute):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
+        prompt = body.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise BadRequest("`prompt` must be a string or a list of strings", field="prompt")
+        sampling = _openai_sampling(body, default_max_tokens=16)  # OpenAI's default for completions
+        return [model.decode_request({"prompt": p, **sampling}) for p in prompts]
+
+    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
+        return {"index": index, "text": response.generated_text, "logprobs": None,
+                "finish_reason": response.finish_reason}  # fmt: skip
+
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+
+class ChatCompletionsResource(_OpenAIRoute):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
+        sampling = _openai_sampling(body, default_max_tokens=None)  # None: the model's default
+        return [model.decode_request({"messages": _chat_messages(body.get("messages")), **sampling})]
+
+    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
+        message = {"role": "assistant", "content": response.generated_text}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": response.finish_reason}
+
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+class MiiResource(_GenerateRoute):
+    """DeepSpeed-MII's RESTful gateway: ``POST /mii/{deployment}`` with ``{"prompts": str | [str], ...}``,
+    answered with a list of ``{"generated_text", "generated_length", "prompt_length", "finish_reason"}``.
+    MII's generation defaults apply: ``max_length`` (prompt + generated, 1024) unless ``max_new_tokens``,
+    and sampling (``do_sample`` true, ``top_p`` 0.9) unless ``do_sample`` is false."""
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, deployment: str) -> None:
+        started = time.perf_counter()
+        code = 200
+        try:
+            model = self._model(deployment)
+            body = await read_json(req, self.max_body_bytes)
+            if not isinstance(body, dict):
+                raise BadRequest('the body must be a JSON object {"prompts": ...}', field="body")
+            items = self._requests(model, body)
+            responses = await asyncio.gather(*(self._run(deployment, item) for item in items))
+            resp.data = _json.encode([msgspec.to_builtins(r) for r in responses])
+            resp.content_type = falcon.MEDIA_JSON
+        except RequestError as exc:
+            code = exc.status
+            set_error(resp, exc.status, exc.type_name, exc.message, exc.field)
+        except ZserveError as exc:
+            code = exc.http_status
+            set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
+        finally:
+            if deployment in self.metrics:
+                self.metrics[deployment].answered(code, time.perf_counter() - started)
+
+    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
+        body = dict(body)
+        prompts = body.pop("prompts", None)
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise BadRequest("`prompts` must be a string or a list of strings", field="prompts")
+        body.pop("stream", None)
+        body.pop("return_full_text", None)
+        if body.pop("do_sample", True):
+            body.setdefault("temperature", 1.0)
+            body.setdefault("top_p", 0.9)
+        else:
+            body["temperature"] = 0.0
+        if body.get("top_k") is None:
+            body.pop("top_k", None)
+        if body.get("max_new_tokens") is None:
+            body.pop("max_new_tokens", None)
+            body.setdefault("max_length", 1024)
+        if isinstance(body.get("stop"), str):
+            body["stop"] = [body["stop"]]
+        return [model.decode_request({"prompt": p, **body}) for p in prompts]
