@@ -55,3 +55,22 @@ def test_the_embedding_model_tokenises_on_a_stage_and_metrics_show_both_sides(de
         match = re.search(rf'zserve_stage_busy_seconds_total\{{model="minilm",role="{role}"\}} (\S+)', metrics)
         assert match and float(match.group(1)) > 0, role
     assert 'zserve_stage_queue_depth{model="minilm",role="engine"}' in metrics
+
+
+def test_the_chat_model_answers_over_openai_routes_and_mii(default_deployment):
+    import openai
+
+    d = default_deployment
+    oai = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = oai.chat.completions.create(model="smollm2", messages=question, max_tokens=12, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    streamed = oai.chat.completions.create(
+        model="smollm2", messages=question, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    status, _, body = d.request("POST", "/mii/smollm2", {"prompts": ["Once upon a time"], "max_length": 24,
+                                                         "ignore_eos": True})  # fmt: skip
+    assert status == 200 and body[0]["prompt_length"] + body[0]["generated_length"] == 24
+    models = {m["id"] for m in d.request("GET", "/v1/models")[2]["data"]}
+    assert models == {"echo", "minilm", "smollm2"}
