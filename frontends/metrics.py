@@ -64,7 +64,16 @@ class BrokerCollector:
             labels=["model", "role"],
         )
         workers = GaugeMetricFamily("zserve_workers", "Workers registered, by role", labels=["model", "role"])
+        running = GaugeMetricFamily(
+            "zserve_running_sequences", "Generative models: sequences held by engines", labels=["model"]
+        )
+        free_kv = GaugeMetricFamily(
+            "zserve_free_kv_blocks", "Generative models: free KV blocks over all engines", labels=["model"]
+        )
         for m in self.report.models:
+            if m.generative:
+                running.add_metric([m.name], m.running_sequences)
+                free_kv.add_metric([m.name], m.free_kv_blocks)
             depth.add_metric([m.name], m.queue_depth)
             in_flight.add_metric([m.name], m.in_flight)
             ready.add_metric([m.name], m.ready_workers)
@@ -77,7 +86,7 @@ class BrokerCollector:
                 workers.add_metric([m.name, "preprocess"], m.preprocess_workers)
             else:
                 waiting.add_metric([m.name, "engine"], m.queue_depth)
-        yield from (depth, in_flight, ready, busy, waiting, workers)
+        yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv)
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

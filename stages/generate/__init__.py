@@ -1,7 +1,7 @@
-"""The generative engine core (generative-engine issue, in progress): pure PyTorch logic, no sockets.
+"""The generative engine: pure PyTorch logic (no sockets) plus its process shell.
 
 block_manager (paged KV bookkeeping), sequence (request state, sampling params), scheduler (iteration-level
 batching with a token budget, chunked prefill, preemption by recompute), attention (paged attention plugged
-into unchanged Hugging Face models), engine_core (add / abort / step). Not built yet: the engine process
-shell, detokenisation and stop strings, the broker's admission of sequences, the OpenAI/MII APIs.
+into unchanged Hugging Face models), engine_core (add / abort / step), detokenize (incremental text, stop
+strings), runner (the engine process: sequences from the broker, one StepOutput per step).
 """

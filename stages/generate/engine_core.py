@@ -1,6 +1,8 @@
 """The generative engine core: add requests, call ``step()``; each step runs one packed forward pass over
-every scheduled sequence and returns the tokens it produced. No sockets: the engine process shell (not built
-yet) drives it. The model is Hugging Face's, unchanged, with our paged attention registered."""
+every scheduled sequence and returns the tokens it produced. No sockets: the engine process shell
+(``runner.py``) and ``CausalLM.generate`` (in process) drive it. The model is Hugging Face's, unchanged, with
+our paged attention registered. Bookkeeping tensors are built on the CPU and moved to the model's device
+once per step; sampling runs on the CPU."""
 
 from __future__ import annotations
 
@@ -36,7 +38,10 @@ class EngineCore:
         max_batched_tokens: int = 256,
         max_running: int = 64,
         chunked_prefill: bool = True,
+        batched_decode: bool | None = None,
     ) -> None:
+        """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
+        call per sequence is faster)."""
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = model.eval()
@@ -44,8 +49,10 @@ class EngineCore:
         # Prefix sharing stays off until the step loop orders sharers after the owner's prefill.
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self.cache = PagedKVCache(
-            config.num_hidden_layers, num_blocks * block_size, _kv_heads(config), head_dim, model.dtype
+            config.num_hidden_layers, num_blocks * block_size, _kv_heads(config), head_dim, model.dtype, model.device
         )
+        self.device = model.device
+        self.batched_decode = self.device.type != "cpu" if batched_decode is None else batched_decode
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
         )
@@ -118,16 +125,11 @@ class EngineCore:
             row += n
             if c.samples:
                 sample_rows.append(row - 1)
-        meta = StepMeta(torch.cat(writes), None, None, None, prefills)
+        meta = StepMeta(torch.cat(writes), prefills)
         if decodes:
-            longest = max(c.end for _, c, _ in decodes)
-            slots = torch.zeros(len(decodes), longest, dtype=torch.long)
-            mask = torch.zeros(len(decodes), 1, 1, longest, dtype=torch.bool)
-            for i, (_, c, read) in enumerate(decodes):
-                slots[i, : c.end] = read
-                mask[i, 0, 0, : c.end] = True
-            meta.decode_rows = torch.tensor([r for r, _, _ in decodes])
-            meta.decode_slots, meta.decode_mask = slots, mask
+            meta.decode_rows = [r for r, _, _ in decodes]
+            meta.decode_lengths = [c.end for _, c, _ in decodes]
+            meta.decode_slots = torch.cat([read for _, _, read in decodes])
         return ids, positions, meta, sample_rows
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
@@ -157,13 +159,16 @@ class EngineCore:
         if not chunks:
             return []
         ids, positions, meta, sample_rows = self._meta(chunks)
+        device = self.device
         logits = self.model(
-            input_ids=torch.tensor([ids]),
-            position_ids=torch.tensor([positions]),
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
             use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long),
-            zserve_meta=meta,
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
+            zserve_meta=meta.to(device, self.batched_decode),
         ).logits[0]
+        if device.type != "cpu":
+            logits = logits.float().cpu()  # sampling is per-request Python: one copy back per step
         outputs = []
         sampling = [c for c in chunks if c.samples]
         for c in chunks:

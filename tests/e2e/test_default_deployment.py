@@ -74,3 +74,6 @@ def test_the_chat_model_answers_over_openai_routes_and_mii(default_deployment):
     assert status == 200 and body[0]["prompt_length"] + body[0]["generated_length"] == 24
     models = {m["id"] for m in d.request("GET", "/v1/models")[2]["data"]}
     assert models == {"echo", "minilm", "smollm2"}
+    metrics = d.request("GET", "/metrics")[2]
+    assert 'zserve_running_sequences{model="smollm2"} 0.0' in metrics
+    assert re.search(r'zserve_free_kv_blocks\{model="smollm2"\} [1-9]', metrics)

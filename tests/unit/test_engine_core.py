@@ -39,17 +39,19 @@ def prompts(k=16, seed=1):
 
 
 @pytest.mark.parametrize(
-    ("chunked", "num_blocks", "budget"),
-    [(True, 256, 64), (False, 256, 512), (True, 24, 48)],  # the last forces preemption
-    ids=["chunked", "whole-prompts", "preempting"],
+    ("chunked", "num_blocks", "budget", "batched"),
+    # the third forces preemption; the last runs decodes as one padded batch, the path GPUs take
+    [(True, 256, 64, False), (False, 256, 512, False), (True, 24, 48, False), (True, 256, 64, True)],
+    ids=["chunked", "whole-prompts", "preempting", "batched-decode"],
 )
-def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num_blocks, budget):
+def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num_blocks, budget, batched):
     engine = EngineCore(
         copy.deepcopy(reference),
         num_blocks=num_blocks,
         block_size=8,
         max_batched_tokens=budget,
         chunked_prefill=chunked,
+        batched_decode=batched,
     )
     batch = prompts()
     n_new = 12
