@@ -84,6 +84,8 @@ class Broker:
             },
             self.pool,
             staged,
+            # a restarted broker must not reuse ids an old engine may still report on
+            first_batch_id=random.getrandbits(40) << 8,
         )
         self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
@@ -249,7 +251,8 @@ class Broker:
 
     def on_step(self, msg: StepOutput, frames: list[zmq.Frame]) -> None:
         """A generative engine's step: stream each sequence's new text, answer the finished ones."""
-        worker = self.pool.workers.get(msg.worker.encode())
+        worker_id = msg.worker.encode()
+        worker = self.pool.workers.get(worker_id)
         if worker is not None and worker.models:
             key = (worker.models[0], ENGINE)
             self.busy_s[key] = self.busy_s.get(key, 0.0) + msg.step_ms / 1000.0
@@ -261,15 +264,21 @@ class Broker:
         ):  # fmt: skip
             item_frames = frames[offset : offset + count]
             offset += count
-            batch = self.pool.finish(batch_id) if finished else self.pool.batch(batch_id)
-            if batch is None:
-                continue  # aborted here already (cancel, deadline), or its engine was declared lost
+            batch = self.pool.batch(batch_id)
+            if batch is None or batch.worker_id != worker_id:
+                continue  # aborted here already (cancel, deadline), its engine was declared lost, or stale
+            if finished:
+                self.pool.finish(batch_id)
             request = self.requests.get(batch.item_ids[0])
             if request is None or request.batch_id != batch_id:
                 continue
             if text and request.stream:
                 request.chunks_sent += 1
-                self._send(self.client, request.client, [self.codec.encode(Chunk(request.req_id, text, num_tokens))])
+                chunk = self.codec.encode(Chunk(request.req_id, text, num_tokens))
+                if not self._send(self.client, request.client, [chunk]):  # its client is gone: stop computing
+                    self._abort_sequence(request)
+                    self.requests.pop(request.item_id)
+                    continue
             if finished:
                 self._reply(
                     request,

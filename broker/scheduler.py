@@ -60,14 +60,20 @@ class Dispatch:
 
 
 class Scheduler:
-    def __init__(self, policies: dict[str, BatchPolicy], pool: WorkerPool, staged: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        policies: dict[str, BatchPolicy],
+        pool: WorkerPool,
+        staged: frozenset[str] = frozenset(),
+        first_batch_id: int = 1,
+    ):
         self.policies = policies
         self.pool = pool
         self.staged = staged
         # item id -> time it entered the queue; insertion order is FIFO order.
         self._queues: dict[str, OrderedDict[int, float]] = {m: OrderedDict() for m in policies}
         self._prepared: dict[str, deque[Prepared]] = {m: deque() for m in policies}
-        self._next_batch_id = 1
+        self._next_batch_id = first_batch_id
 
     def submit(self, model: str, item_id: int, now: float) -> Admission:
         queue = self._queues.get(model)

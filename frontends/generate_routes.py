@@ -47,11 +47,11 @@ def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> di
     """The GenerateRequest fields (less prompt/messages) for an OpenAI body, with vLLM's extensions
     (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``)."""
     for name, neutral in _UNSUPPORTED.items():
-        if body.get(name, neutral) not in (neutral, None):
+        value = body.get(name)
+        if value is not None and value != neutral and not (name.endswith("logprobs") and not value):
             raise BadRequest(f"`{name}` is not supported by this server", field=name)
-    for name in ("n",):
-        if body.get(name, 1) != 1:
-            raise BadRequest("only n=1 is supported", field=name)
+    if body.get("n") not in (None, 1):
+        raise BadRequest("only n=1 is supported", field="n")
     sampling: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
     if max_tokens is not None:

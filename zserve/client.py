@@ -81,7 +81,15 @@ class GenerationStream:
         self.response: GenerateResponse | None = None
 
     def __iter__(self) -> Iterator[str]:
-        return self
+        # a generator, so that leaving a ``for`` loop early (break, an exception) cancels at once
+        try:
+            while True:
+                try:
+                    yield next(self)
+                except StopIteration:
+                    return
+        finally:
+            self.close()
 
     def __next__(self) -> str:
         if self.response is not None:
@@ -94,7 +102,7 @@ class GenerationStream:
 
     def close(self) -> None:
         """Stop early: the request is cancelled and the engine frees its blocks."""
-        if not self._future.done():
+        if not self._future.done() and not self._client._closed:
             self._client._post(("cancel", self._req_id))
 
     def __enter__(self) -> GenerationStream:
@@ -324,6 +332,8 @@ class Client:
             for item in leftover:  # posted just before close: answer them too
                 if item[0] not in ("close", "cancel") and not item[1].done():
                     item[1].set_exception(BrokerUnavailable("the client was closed"))
+                if item[0] == "submit" and len(item) > 7:
+                    item[7].put(_END)  # a stream that never left: end it too
             for waiter in health_waiters.values():
                 if not waiter.done():
                     waiter.set_exception(BrokerUnavailable("the client was closed"))
@@ -561,7 +571,7 @@ class AsyncClient:
         self, model: str, frames: list[Any], timeout_ms: int, decoded: bool, stream: AsyncGenerationStream
     ) -> int:
         self._socket()
-        req_id = next(self._state.ids)
+        req_id = stream._req_id = next(self._state.ids)  # set first: a cancel during the send must find it
         if not self._futures and not self._streams:
             self._state.last_heard_s = time.monotonic()
         self._streams[req_id] = stream

@@ -34,7 +34,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     seed: int | None = None
     stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:

@@ -139,7 +139,7 @@ class EngineCore:
             if banned:
                 logits = logits.clone()
                 logits[banned] = float("-inf")
-        if p.temperature <= 0:
+        if p.temperature < 1e-5:  # below this, logits / temperature overflows: it is greedy anyway
             return int(logits.argmax())
         logits = logits.float() / p.temperature
         if p.top_k > 0:
@@ -150,7 +150,9 @@ class EngineCore:
             cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
             drop = cumulative - torch.softmax(sorted_logits, -1) > p.top_p  # keep the first token over top_p
             logits[order[drop]] = float("-inf")
-        probs = torch.softmax(logits, -1)
+        probs = torch.softmax(logits, -1).nan_to_num_(0.0)
+        if not probs.sum() > 0:
+            return int(logits.argmax())
         return int(torch.multinomial(probs, 1, generator=self._generators.get(seq.seq_id)))
 
     @torch.inference_mode()

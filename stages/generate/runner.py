@@ -86,8 +86,8 @@ class GenerationRunner:
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._step_loop, name="generate-step", daemon=True),
-            threading.Thread(target=self._output_loop, name="generate-output", daemon=True),
+            threading.Thread(target=self._guarded(self._step_loop), name="generate-step", daemon=True),
+            threading.Thread(target=self._guarded(self._output_loop), name="generate-output", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -115,12 +115,28 @@ class GenerationRunner:
         self.inbox.put(("reset", None))
 
     def close(self) -> None:
+        """Stop stepping, let the output thread send what the last step made, then stop it."""
         self._stop.set()
         self.inbox.put(("stop", None))
+        step, output = self._threads
+        step.join(timeout=10)
         self.outbox.put(("stop", None, None))
-        for t in self._threads:
-            t.join(timeout=10)
-        self._ctx.term()
+        output.join(timeout=5)
+        if not output.is_alive():
+            self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
+
+    def _guarded(self, loop: Any) -> Any:
+        """A thread that dies must take the process with it: an engine that stays registered but serves
+        nothing would hold its sequences until their deadlines. The supervisor restarts it."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException:
+                log.critical("%s thread died; stopping the engine", threading.current_thread().name, exc_info=True)
+                self.link.stop.set()
+
+        return run
 
     # ---- the step thread ----
 
@@ -193,6 +209,7 @@ class GenerationRunner:
     def _output_loop(self) -> None:
         codec = Codec()
         push = make_socket(self._ctx, zmq.PUSH, self.link.out_endpoint, bind=False, linger_ms=2000)
+        push.setsockopt(zmq.SNDTIMEO, 30_000)
         sequences: dict[int, _Output] = {}
         try:
             while True:
@@ -224,7 +241,10 @@ class GenerationRunner:
                             finished=True, status=failure.status, message=failure.message, field=failure.field
                         )
                 if entries or free_blocks >= 0:
-                    push.send_multipart(self._message(codec, entries, step_ms, free_blocks), copy=False)
+                    try:
+                        push.send_multipart(self._message(codec, entries, step_ms, free_blocks), copy=False)
+                    except zmq.Again:  # no broker for SNDTIMEO: what waited for these answers is gone with it
+                        log.warning("broker unreachable: dropped the output of %d sequences", len(entries))
         finally:
             push.close(linger=2000)
 

@@ -92,6 +92,9 @@ def test_errors_come_in_openai_shape(oai):
             oai.completions.create(model="tiny", prompt="x", extra_body=extra)
         assert info.value.body["param"] == param, extra
         assert info.value.body["type"] == "invalid_request_error"
+    neutral = {"logprobs": False, "n": None, "top_logprobs": 0, "presence_penalty": 0}  # what wrappers send
+    ok = oai.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=neutral)
+    assert ok.usage.completion_tokens <= 2
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="tiny", messages=[])
     assert info.value.body["param"] == "messages"

@@ -12,7 +12,7 @@ MODEL = '[[models]]\nname = "m"\nhandler = "zserve.models.echo:Echo"\n'
 
 def test_the_default_deployment_parses():
     config = load_config(REPO / "supervisor.toml")
-    assert [m.name for m in config.models] == ["echo", "minilm"]
+    assert [m.name for m in config.models] == ["echo", "minilm", "smollm2"]
     assert config.frontends.host == "127.0.0.1" and config.frontends.port == 8000
 
 

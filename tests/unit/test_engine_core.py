@@ -135,3 +135,13 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
             produced.setdefault(out.seq_id, []).append(out.token_id)
     for prompt, seq_id in zip(batch, ids, strict=True):
         assert produced[seq_id] == expected(model, prompt, 8)
+
+
+def test_a_tiny_temperature_is_greedy_not_a_crash(reference):
+    engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
+    [prompt] = prompts(1, seed=9)
+    seq = engine.add(prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
+    out = []
+    while engine.has_work():
+        out += [o.token_id for o in engine.step() if o.seq_id == seq]
+    assert out == expected(reference, prompt, 5)
