@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import falcon
@@ -32,7 +32,8 @@ _UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of"
                 "response_format": None}  # fmt: skip
 
 
-def openai_error(resp: falcon.asgi.Response, status: int, message: str, param: str = "", code: str = "") -> None:
+def openai_error(resp: falcon.asgi.Response, status: int, code: str, message: str, param: str = "") -> None:
+    """Like ``set_error``, in OpenAI's shape (``param`` is our ``field``, ``code`` our error type)."""
     kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
@@ -108,6 +109,24 @@ class _GenerateRoute:
                                "model")  # fmt: skip
         return model
 
+    async def _answer(
+        self,
+        resp: falcon.asgi.Response,
+        write_error: Callable[..., None],
+        work: Callable[[list[str]], Awaitable[None]],
+    ) -> None:
+        """Run ``work`` (it appends the model's name once known), turn errors into responses, count it."""
+        started = time.perf_counter()
+        code, named = 200, []
+        try:
+            await work(named)
+        except (RequestError, ZserveError) as exc:
+            code = exc.status if isinstance(exc, RequestError) else exc.http_status
+            write_error(resp, code, exc.type_name, exc.message, exc.field)
+        finally:
+            if named and named[0] in self.metrics:
+                self.metrics[named[0]].answered(code, time.perf_counter() - started)
+
     async def _run(self, name: str, item: Any) -> GenerateResponse:
         answer = await self.client.infer(name, item, decoded=True)
         return msgspec.convert(answer.value, GenerateResponse)
@@ -122,14 +141,13 @@ class _OpenAIRoute(_GenerateRoute):
         raise NotImplementedError
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        started = time.perf_counter()
-        name, code = "", 200
-        try:
+        async def work(named: list[str]) -> None:
             body = await read_json(req, self.max_body_bytes)
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object", field="body")
             name = body.get("model")
             model = self._model(name)
+            named.append(name)
             items = self._requests(model, body)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
             if body.get("stream"):
@@ -142,15 +160,8 @@ class _OpenAIRoute(_GenerateRoute):
             responses = await asyncio.gather(*(self._run(name, item) for item in items))
             resp.data = _json.encode(self._completion(meta, responses))
             resp.content_type = falcon.MEDIA_JSON
-        except RequestError as exc:
-            code = exc.status
-            openai_error(resp, exc.status, exc.message, exc.field, exc.type_name)
-        except ZserveError as exc:
-            code = exc.http_status
-            openai_error(resp, exc.http_status, exc.message, exc.field, exc.type_name)
-        finally:
-            if name in self.metrics:
-                self.metrics[name].answered(code, time.perf_counter() - started)
+
+        await self._answer(resp, openai_error, work)
 
     def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse]) -> dict[str, Any]:
         prompt_tokens = sum(r.prompt_length for r in responses)
@@ -244,10 +255,9 @@ class MiiResource(_GenerateRoute):
     and sampling (``do_sample`` true, ``top_p`` 0.9) unless ``do_sample`` is false."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, deployment: str) -> None:
-        started = time.perf_counter()
-        code = 200
-        try:
+        async def work(named: list[str]) -> None:
             model = self._model(deployment)
+            named.append(deployment)
             body = await read_json(req, self.max_body_bytes)
             if not isinstance(body, dict):
                 raise BadRequest('the body must be a JSON object {"prompts": ...}', field="body")
@@ -255,15 +265,8 @@ class MiiResource(_GenerateRoute):
             responses = await asyncio.gather(*(self._run(deployment, item) for item in items))
             resp.data = _json.encode([msgspec.to_builtins(r) for r in responses])
             resp.content_type = falcon.MEDIA_JSON
-        except RequestError as exc:
-            code = exc.status
-            set_error(resp, exc.status, exc.type_name, exc.message, exc.field)
-        except ZserveError as exc:
-            code = exc.http_status
-            set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
-        finally:
-            if deployment in self.metrics:
-                self.metrics[deployment].answered(code, time.perf_counter() - started)
+
+        await self._answer(resp, set_error, work)
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         body = dict(body)
