@@ -223,5 +223,8 @@ def run_worker(
         close = getattr(runner, "close", None)
         if close is not None:
             close()
+        if getattr(runner, "failed", False):
+            log.error("%s exiting after a failure", args.name)
+            return 1
     log.info("%s exiting", args.name)
     return 0

@@ -85,6 +85,7 @@ class GenerationRunner:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # -> output thread
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
         self._stop = threading.Event()
+        self.failed = False  # a thread died: the process exits non-zero
         self._threads = [
             threading.Thread(target=self._guarded(self._step_loop), name="generate-step", daemon=True),
             threading.Thread(target=self._guarded(self._output_loop), name="generate-output", daemon=True),
@@ -134,6 +135,7 @@ class GenerationRunner:
                 loop()
             except BaseException:
                 log.critical("%s thread died; stopping the engine", threading.current_thread().name, exc_info=True)
+                self.failed = True
                 self.link.stop.set()
 
         return run
