@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gen_workload import GenRow
+from report import save_figure, style_concurrency_axes
 from targets import Target
 
 LEGS = ("zserve", "static", "single")
@@ -95,14 +96,6 @@ def write_plot(path: Path, rows: list[GenRow]) -> bool:
             tput.plot(conc, [r.tok_s for r in mine], marker="o", label=leg)
             ttft.plot(conc, [r.ttft_p99_ms for r in mine], marker="o", label=leg)
     for ax, label in ((tput, "output tokens/s"), (ttft, "TTFT p99 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrency (closed loop)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        style_concurrency_axes(ax, label)
+    save_figure(fig, path)
     return True

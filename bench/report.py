@@ -93,16 +93,27 @@ def write_plot(path: Path, results: list[Measurement]) -> bool:
         elif limit is not None:
             ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
         concurrency = sorted({m.concurrency for m in results if m.model == model and m.concurrency})
-        ax.set_xscale("log", base=2)
         ax.set_xticks(concurrency, [str(c) for c in concurrency])
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrency (closed loop)")
-        ax.set_ylabel("requests/s")
         ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        style_concurrency_axes(ax, "requests/s")
+    save_figure(fig, path)
+    return True
+
+
+def style_concurrency_axes(ax: Any, ylabel: str) -> None:
+    """Log-log axes against closed-loop concurrency, as every bench plot draws them."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True

@@ -31,8 +31,7 @@ class Worker:
     last_seen_s: float
     last_dispatch_s: float = 0.0
     busy: bool = False  # from its last heartbeat: inside predict right now
-    kv_blocks: int = 0  # generative engines: KV pool size, and what was free at the last report
-    free_kv_blocks: int = 0
+    free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
 
     @property
@@ -62,7 +61,7 @@ class WorkerPool:
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
         self.workers[worker_id] = Worker(
-            worker_id, name, pid, role, tuple(models), credits, now, kv_blocks=kv_blocks, free_kv_blocks=kv_blocks
+            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks
         )
         return orphans
 

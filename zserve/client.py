@@ -72,12 +72,14 @@ def _response(model: str, value: Any) -> GenerateResponse:
 class GenerationStream:
     """Text deltas of one generation, as they are produced; ``response`` once it is exhausted."""
 
-    def __init__(self, client: Client, model: str, req_id: int, future: concurrent.futures.Future) -> None:
+    def __init__(
+        self, client: Client, model: str, req_id: int, future: concurrent.futures.Future, chunks: queue.SimpleQueue
+    ) -> None:
         self._client = client
         self._model = model
         self._req_id = req_id
         self._future = future
-        self.chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.chunks = chunks  # text deltas, then _END (filled by the client's IO thread)
         self.response: GenerateResponse | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -223,13 +225,9 @@ class Client:
     ) -> GenerationStream:
         """Iterate over the text as it is generated; ``.response`` holds the whole response at the end.
         ``prompt`` is a text, or chat messages ``[{"role": "user", "content": "..."}]``."""
-        frames = payload.encode(_prompt_body(prompt, sampling))
-        timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        req_id = next(self._state.ids)
-        stream = GenerationStream(self, model, req_id, future)
-        self._post(("submit", future, model, frames, timeout_ms or 0, False, req_id, stream.chunks))
-        return stream
+        req_id, chunks = next(self._state.ids), queue.SimpleQueue()
+        future = self._submit(model, _prompt_body(prompt, sampling), timeout_ms, False, req_id, chunks)
+        return GenerationStream(self, model, req_id, future, chunks)
 
     def health(self, timeout_s: float = 5.0) -> HealthReport:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -255,11 +253,20 @@ class Client:
 
     # ---- internals ----
 
-    def _submit(self, model: str, body: Any, timeout_ms: int | None, with_meta: bool) -> concurrent.futures.Future:
+    def _submit(
+        self,
+        model: str,
+        body: Any,
+        timeout_ms: int | None,
+        with_meta: bool,
+        req_id: int | None = None,
+        chunks: queue.SimpleQueue | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue a Submit for the IO thread; ``chunks`` (a stream's queue) asks for Chunks as well."""
         frames = payload.encode(body)
         timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("submit", future, model, frames, timeout_ms or 0, with_meta))
+        self._post(("submit", future, model, frames, timeout_ms or 0, with_meta, req_id, chunks))
         return future
 
     def _post(self, item: tuple[Any, ...]) -> None:
@@ -332,7 +339,7 @@ class Client:
             for item in leftover:  # posted just before close: answer them too
                 if item[0] not in ("close", "cancel") and not item[1].done():
                     item[1].set_exception(BrokerUnavailable("the client was closed"))
-                if item[0] == "submit" and len(item) > 7:
+                if item[0] == "submit" and item[7] is not None:
                     item[7].put(_END)  # a stream that never left: end it too
             for waiter in health_waiters.values():
                 if not waiter.done():
@@ -349,8 +356,8 @@ class Client:
         frames: list[Any],
         timeout_ms: int,
         with_meta: bool,
-        req_id: int | None = None,
-        chunks: queue.SimpleQueue | None = None,
+        req_id: int | None,
+        chunks: queue.SimpleQueue | None,
     ) -> None:
         if not future.set_running_or_notify_cancel():
             return
@@ -429,9 +436,8 @@ class AsyncGenerationStream:
         self._req_id: int | None = None
         self._chunks: asyncio.Queue = asyncio.Queue()
         self._deadline: float | None = None
-        self.num_tokens = 0  # tokens generated so far, from the last chunk
         self.response: GenerateResponse | None = None
-        self.answer: Answer | None = None
+        self.answer: Answer | None = None  # the Reply's, with serving metadata
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self
@@ -441,7 +447,7 @@ class AsyncGenerationStream:
             raise StopAsyncIteration
         client = self._client
         if self._req_id is None:
-            self._req_id = await client._start_stream(self._model, self._frames, self._timeout_ms, self._decoded, self)
+            await client._start_stream(self._model, self._frames, self._timeout_ms, self._decoded, self)
             if self._timeout_ms:
                 self._deadline = time.monotonic() + self._timeout_ms / 1000.0 + _DEADLINE_GRACE_S
         try:
@@ -456,7 +462,6 @@ class AsyncGenerationStream:
             await self.aclose()
             raise
         if isinstance(item, Chunk):
-            self.num_tokens = item.num_tokens
             return item.text
         client._streams.pop(self._req_id, None)
         if isinstance(item, ZserveError):
@@ -464,7 +469,6 @@ class AsyncGenerationStream:
         reply, frames = item
         self.answer = _answer(reply, frames)
         self.response = _response(self._model, self.answer.value)
-        self.num_tokens = self.response.generated_length
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
@@ -569,14 +573,13 @@ class AsyncClient:
 
     async def _start_stream(
         self, model: str, frames: list[Any], timeout_ms: int, decoded: bool, stream: AsyncGenerationStream
-    ) -> int:
+    ) -> None:
         self._socket()
         req_id = stream._req_id = next(self._state.ids)  # set first: a cancel during the send must find it
         if not self._futures and not self._streams:
             self._state.last_heard_s = time.monotonic()
         self._streams[req_id] = stream
         await self._send([self._codec.encode(Submit(req_id, model, timeout_ms, decoded, stream=True)), *frames])
-        return req_id
 
     async def _cancel(self, req_id: int) -> None:
         if self._sock is not None and not self._sock.closed:

@@ -28,6 +28,17 @@ class TextStream:
         piece = self._stream.step(self._tokenizer, token_id) or ""
         return self._release(self._held + piece)
 
+    def advance(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
+        """Push one generated token: (new text, why the sequence ends now, or None). A stop string ends it
+        with "stop" (``stopped`` is set: the caller must abort it in the engine); the engine's own reason
+        (eos, stop id, length) releases whatever is held back."""
+        delta = self.push(token_id)
+        if self.stopped:
+            return delta, "stop"
+        if finish_reason:
+            return delta + self.flush(), finish_reason
+        return delta, None
+
     def flush(self) -> str:
         """At the end of generation: whatever is still held back."""
         if self.stopped:

@@ -181,9 +181,7 @@ class GenerationRunner:
                     kind = None
             self.link.free_kv_blocks = self.core.free_blocks  # aborts free blocks too; heartbeats carry it
             if not self.core.has_work():
-                self.link.busy = False
                 continue
-            self.link.busy = True
             started = time.perf_counter()
             try:
                 outputs = self.core.step()
@@ -258,12 +256,9 @@ class GenerationRunner:
             if seq is None:
                 continue  # aborted, or stopped by a stop string a step ago
             seq.num_tokens += 1
-            delta = seq.text.push(token_id)
+            delta, reason = seq.text.advance(token_id, reason)
             if seq.text.stopped:
-                reason = "stop"
                 self.inbox.put(("abort", [batch_id]))
-            elif reason:
-                delta += seq.text.flush()
             entry = entries.setdefault(batch_id, _Entry())
             entry.num_tokens = seq.num_tokens
             if seq.stream:

@@ -96,6 +96,9 @@ def test_errors_come_in_openai_shape(oai):
     ok = oai.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=neutral)
     assert ok.usage.completion_tokens <= 2
     with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="tiny", prompt=["a", "b"], stream=True)
+    assert info.value.body["param"] == "prompt"  # one prompt per stream
+    with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="tiny", messages=[])
     assert info.value.body["param"] == "messages"
 
@@ -114,6 +117,8 @@ def test_mii_rest_benchmark_requests_run_unchanged(served):
     assert greedy["generated_text"] == direct.generated_text
     status, body = _post_status(f"{served.url}/mii/tiny", {"prompt": "typo"})
     assert status == 400 and json.loads(body)["error"]["field"] == "prompts"
+    status, body = _post_status(f"{served.url}/mii/nope", {"prompts": "x"})
+    assert status == 404 and json.loads(body)["error"]["type"] == "model_not_found"
 
 
 def test_client_gone_mid_stream_aborts_the_sequence(served):

@@ -201,3 +201,11 @@ def test_generate_on_a_model_that_is_not_generative_is_a_clear_error(cluster_fac
     client = one_engine(cluster_factory, delay=0.0).client()
     with pytest.raises(zserve.ModelError, match="did not answer like a generative model"):
         client.generate(["hi"], model="slow")
+
+
+def test_streaming_a_batch_model_is_a_clear_error(cluster_factory):
+    c = one_engine(cluster_factory, delay=0.0)
+    client = c.client()
+    with pytest.raises(zserve.BadRequest, match="not generative"):
+        list(client.generate_stream("x", model="slow"))
+    assert client.predict("slow", {"still": "served"})["echo"] == {"still": "served"}

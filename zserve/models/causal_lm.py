@@ -192,13 +192,11 @@ class CausalLM(Model):
                 if i in reasons:
                     continue
                 lengths[i] += 1
-                delta = streams[i].push(out.token_id)
+                delta, reason = streams[i].advance(out.token_id, out.finish_reason)
                 if streams[i].stopped:
                     self.core.abort(out.seq_id)
-                    reasons[i] = "stop"
-                elif out.finish_reason:
-                    delta += streams[i].flush()
-                    reasons[i] = out.finish_reason
+                if reason:
+                    reasons[i] = reason
                 if delta and on_delta is not None:
                     on_delta(i, delta)
         return [
