@@ -72,6 +72,34 @@ class Chunk(Msg, tag=6):
     num_tokens: int = 0  # tokens generated so far
 
 
+# Coalesced messages: every hop sends what it has for a peer in one multipart message (one header, then the
+# items' payload frames concatenated; ``frame_counts`` splits them, one count per item). A client sends all
+# requests of one event-loop (or IO-thread) turn as one Submits; the broker answers each client with one
+# Replies per batch result and one Chunks per engine step. The items are the single-message Structs above.
+
+
+class Submits(Msg, tag=7):
+    """Client -> broker: several requests. An item that does not validate fails alone (BAD_REQUEST, by its
+    req_id when it has one); the counts keep every other item's frames aligned."""
+
+    items: list[Submit]
+    frame_counts: list[int]
+
+
+class Replies(Msg, tag=8):
+    """Broker -> client: answers, each followed (in order) by its ``frame_counts[i]`` payload frames."""
+
+    items: list[Reply]
+    frame_counts: list[int]
+
+
+class Chunks(Msg, tag=9):
+    """Broker -> client: new text of streamed requests, from one engine step. Always sent before the
+    Replies that end any of them."""
+
+    items: list[Chunk]
+
+
 class HealthQuery(Msg, tag=4):
     query_id: int
 
@@ -189,9 +217,12 @@ class StepOutput(Msg, tag=27):
 
 Message = (
     Submit
+    | Submits
     | Cancel
     | Reply
+    | Replies
     | Chunk
+    | Chunks
     | HealthQuery
     | HealthReport
     | Hello
@@ -205,6 +236,14 @@ Message = (
 )
 
 
+class InvalidItem(msgspec.Struct, gc=False):
+    """Not a wire type: an item of a Submits that did not validate, as ``Codec.decode`` hands it on so that
+    only this item fails. ``req_id`` is None when even that could not be read (nobody can be answered)."""
+
+    req_id: int | None
+    message: str
+
+
 class Codec:
     """Header encoder/decoder. Not thread-safe: one per thread that owns a socket."""
 
@@ -216,9 +255,37 @@ class Codec:
         return self._encoder.encode(msg)
 
     def decode(self, data: bytes | memoryview, sender: str = "?") -> Msg | None:
-        """Decode a header; a malformed one is logged with its sender and dropped (None), never raised."""
+        """Decode a header; a malformed one is logged with its sender and dropped (None), never raised. A
+        Submits whose envelope is sound but some items are not comes back with those items as InvalidItem."""
         try:
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            salvaged = _salvage_submits(data) if isinstance(exc, msgspec.ValidationError) else None
+            if salvaged is not None:
+                bad = sum(isinstance(item, InvalidItem) for item in salvaged.items)
+                log.warning("%d malformed items in a Submits from %s: %s", bad, sender, exc)
+                return salvaged
             log.warning("dropped malformed frame from %s: %s", sender, exc)
             return None
+
+
+_SUBMITS_TAG = Submits.__struct_config__.tag
+
+
+def _salvage_submits(data: bytes | memoryview) -> Submits | None:
+    """The slow path for a Submits that failed validation: validate item by item."""
+    raw = msgspec.msgpack.decode(data)
+    if not (isinstance(raw, list) and len(raw) >= 3 and raw[0] == _SUBMITS_TAG and isinstance(raw[1], list)):
+        return None
+    try:
+        counts = msgspec.convert(raw[2], list[int])
+    except msgspec.ValidationError:
+        return None
+    items: list[Submit | InvalidItem] = []
+    for entry in raw[1]:
+        try:
+            items.append(msgspec.convert(entry, Submit))
+        except msgspec.ValidationError as exc:
+            req_id = entry[1] if isinstance(entry, list) and len(entry) > 1 and type(entry[1]) is int else None
+            items.append(InvalidItem(req_id, f"malformed request: {exc}"))
+    return Submits(items, counts)  # type: ignore[arg-type]  # InvalidItem rows are for the broker only

@@ -43,7 +43,7 @@ def one_engine(cluster_factory, delay: float):
 def test_requests_are_batched_and_each_gets_its_own_answer(cluster_factory):
     c = one_engine(cluster_factory, delay=0.05)
     client = c.client()
-    futures = [client._submit("slow", {"i": i}, None, with_meta=True) for i in range(64)]
+    futures = [client.submit("slow", {"i": i}, meta=True) for i in range(64)]
     answers = [f.result(timeout=30) for f in futures]
     assert [a.value["echo"] for a in answers] == [{"i": i} for i in range(64)]
     sizes = [a.batch_size for a in answers]
