@@ -25,6 +25,7 @@ from typing import Any
 
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
+from zserve.broker.stats import ModelStats
 from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, WorkerPool
 from zserve.config import Config
 from zserve.protocol import (
@@ -118,6 +119,7 @@ class BrokerCore:
         )
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
+        self.stats = {m.name: ModelStats() for m in config.models}
         self.requests = RequestTable()
         self.draining_since: float | None = None
         self._last_heartbeat_s = float("-inf")
@@ -324,10 +326,10 @@ class BrokerCore:
     def on_out(self, msg: Msg, frames: list[Any], now: float) -> None:
         if isinstance(msg, StepOutput):
             self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
-            self.on_step(msg, frames)
+            self.on_step(msg, frames, now)
         elif isinstance(msg, BatchResult):
             self.pool.seen(msg.worker.encode(), now)
-            self.on_result(msg, frames)
+            self.on_result(msg, frames, now)
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
             if not self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks):
@@ -339,15 +341,17 @@ class BrokerCore:
         key = (model, role)
         self.busy_s[key] = self.busy_s.get(key, 0.0) + ms / 1000.0
 
-    def on_result(self, msg: BatchResult, frames: list[Any]) -> None:
+    def on_result(self, msg: BatchResult, frames: list[Any], now: float) -> None:
         batch = self.pool.finish(msg.batch_id)
         if batch is None:
             log.info("dropped late result of batch %d from %s", msg.batch_id, msg.worker)
             return
         self._add_busy(batch.model, batch.role, msg.compute_ms)
         n = len(batch.item_ids)
-        if batch.role == ENGINE and _accounts_for(n, len(frames), msg):
-            return self._answer_batch(batch, msg, frames)
+        if batch.role == ENGINE:
+            self.stats[batch.model].batch_done(n)
+            if _accounts_for(n, len(frames), msg):
+                return self._answer_batch(batch, msg, frames, now)
         payload_frames = len(frames) - msg.prepared_frames if batch.role == PREPROCESS else len(frames)
         rows, missing = _rows(n, payload_frames, msg.statuses, msg.messages, msg.fields, msg.frame_counts)
         if missing:
@@ -367,8 +371,9 @@ class BrokerCore:
                 fields = {"field": field_name, "batch_size": n, "queue_ms": queue_ms, "compute_ms": msg.compute_ms}
                 self._reply(request, status, message, frames[start:stop], **fields)
 
-    def _answer_batch(self, batch: InFlightBatch, msg: BatchResult, frames: list[Any]) -> None:
+    def _answer_batch(self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], now: float) -> None:
         """The hot path of every result: an engine's BatchResult that accounts for every item."""
+        answered = self.stats[batch.model].answered
         by_id = self.requests.by_id
         pop = self.requests.pop
         to_clients = self._to_clients
@@ -383,6 +388,7 @@ class BrokerCore:
             if request is None or request.batch_id != batch_id:
                 continue  # answered already (deadline, cancel)
             pop(item_id)
+            answered(now - request.arrived_s)
             queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
             out = to_clients.get(request.client) or self._out(request.client)
             out.replies.append(Reply(request.req_id, status, message, field_name, size, queue_ms, compute_ms))
@@ -410,12 +416,18 @@ class BrokerCore:
         if ready and msg.prepared_frames:
             self.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
 
-    def on_step(self, msg: StepOutput, frames: list[Any]) -> None:
+    def on_step(self, msg: StepOutput, frames: list[Any], now: float) -> None:
         """A generative engine's step: stream each sequence's new text, answer the finished ones."""
         worker_id = msg.worker.encode()
         worker = self.pool.workers.get(worker_id)
         if worker is not None and worker.models:
             self._add_busy(worker.models[0], ENGINE, msg.step_ms)
+            stats = self.stats[worker.models[0]]
+            stats.engine_steps += msg.steps
+            stats.batch_tokens += msg.batch_tokens
+            worker.preemptions = msg.preemptions
+            worker.prompt_tokens = msg.prompt_tokens
+            worker.cached_prompt_tokens = msg.cached_prompt_tokens
         fields = msg.fields or [""] * len(msg.batch_ids)
         n = len(msg.batch_ids)
         rows, _ = _rows(n, len(frames), msg.statuses, msg.messages, fields, msg.frame_counts)
@@ -444,6 +456,9 @@ class BrokerCore:
                 self._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i]))
             if finished:
                 status, message, field_name, start, stop = row
+                stats = self.stats[request.model]
+                stats.batch_done(1)
+                stats.answered(now - request.arrived_s)
                 self._reply(
                     request,
                     status,
@@ -534,24 +549,45 @@ class BrokerCore:
     # ---- health and stopping ----
 
     def health(self, query_id: int) -> HealthReport:
-        models = [
-            ModelHealth(
-                m.name,
-                self.pool.ready_count(m.name),
-                self.scheduler.depth(m.name),
-                self.pool.in_flight_items(m.name),
-                self.pool.busy_count(m.name),
-                self.pool.ready_count(m.name, PREPROCESS),
-                self.scheduler.prepared_depth(m.name),
-                self.busy_s.get((m.name, ENGINE), 0.0),
-                self.busy_s.get((m.name, PREPROCESS), 0.0),
-                m.name in self.generative,
-                self.pool.in_flight_items(m.name) if m.name in self.generative else 0,
-                self.pool.free_kv_blocks(m.name),
-            )
-            for m in self.config.models
-        ]
-        return HealthReport(query_id, self.epoch, self.draining_since is not None, models)
+        return HealthReport(
+            query_id,
+            self.epoch,
+            self.draining_since is not None,
+            [self._model_health(m.name) for m in self.config.models],
+        )
+
+    def _model_health(self, name: str) -> ModelHealth:
+        pool, stats = self.pool, self.stats[name]
+        engines = pool.engines(name)
+        generative = name in self.generative
+        p50, p90, p99 = stats.latency_ms(0.5, 0.9, 0.99)
+        return ModelHealth(
+            name,
+            ready_workers=len(engines),
+            queue_depth=self.scheduler.depth(name),
+            in_flight=pool.in_flight_items(name),
+            busy_workers=pool.busy_count(name),
+            preprocess_workers=pool.ready_count(name, PREPROCESS),
+            prepared_depth=self.scheduler.prepared_depth(name),
+            engine_busy_s=self.busy_s.get((name, ENGINE), 0.0),
+            preprocess_busy_s=self.busy_s.get((name, PREPROCESS), 0.0),
+            generative=generative,
+            running_sequences=pool.in_flight_items(name) if generative else 0,
+            free_kv_blocks=sum(w.free_kv_blocks for w in engines),
+            kv_blocks=sum(w.kv_blocks for w in engines),
+            engine_steps=stats.engine_steps,
+            batch_tokens=stats.batch_tokens,
+            preemptions=sum(w.preemptions for w in engines),
+            prompt_tokens=sum(w.prompt_tokens for w in engines),
+            cached_prompt_tokens=sum(w.cached_prompt_tokens for w in engines),
+            credits=sum(w.credits for w in engines),
+            free_credits=sum(w.free_credits for w in engines),
+            batches=stats.batches,
+            mean_batch_size=stats.mean_batch_size(),
+            latency_p50_ms=p50,
+            latency_p90_ms=p90,
+            latency_p99_ms=p99,
+        )
 
     def start_draining(self, now: float) -> None:
         if self.draining_since is None:

@@ -32,6 +32,11 @@ class Worker:
     last_dispatch_s: float = 0.0
     busy: bool = False  # from its last heartbeat: inside predict right now
     free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
+    kv_blocks: int = 0  # generative engines: the pool's size (Hello)
+    # generative engines' counters since they started, from their last StepOutput
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
 
     @property
@@ -61,7 +66,7 @@ class WorkerPool:
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
         self.workers[worker_id] = Worker(
-            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks
+            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks
         )
         return orphans
 
@@ -146,6 +151,9 @@ class WorkerPool:
 
     def free_kv_blocks(self, model: str) -> int:
         return sum(w.free_kv_blocks for w in self._serving(model, ENGINE))
+
+    def engines(self, model: str) -> list[Worker]:
+        return list(self._serving(model, ENGINE))
 
 
 def _load(worker: Worker) -> tuple[int, int, float]:

@@ -411,3 +411,29 @@ def test_worker_restart_orphans_its_batches():
     core.tick(0.1)
     [again] = batches(core.flush()[1])
     assert again.header.item_ids == b.header.item_ids and again.header.batch_id != b.header.batch_id
+
+
+def test_health_reports_credits_batch_sizes_latencies_and_engine_counters():
+    core = make()
+    hello(core, b"w", credits=2)
+    core.on_work(b"g", Hello("g", 1, "engine", ["lm"], 8, kv_blocks=100), 0.0)
+    for t, ids in ((0.0, [1, 2, 3, 4]), (0.2, [5, 6])):
+        submit(core, b"a", ids, now=t)
+        core.tick(t)
+        [b] = batches(core.flush()[1])
+        core.on_out(*result(b.header, b"w"), now=t + 0.010 * len(ids))
+    submit(core, b"a", [9], model="lm", now=0.3)
+    core.tick(0.3)
+    [seq] = batches(core.flush()[1])
+    out = step([seq.header.batch_id], [""], [False])
+    out.steps, out.batch_tokens, out.preemptions, out.prompt_tokens, out.cached_prompt_tokens = 3, 48, 1, 40, 32
+    core.on_out(out, [], now=0.35)
+    models = {m.name: m for m in core.health(1).models}
+    m, lm = models["m"], models["lm"]
+    assert (m.credits, m.free_credits, m.batches, m.mean_batch_size) == (2, 2, 2, 3.0)
+    assert abs(m.latency_p50_ms - 40.0) < 1e-6 and abs(m.latency_p99_ms - 40.0) < 1e-6  # 4 at 40 ms, 2 at 20 ms
+    assert abs(min(m.latency_p50_ms, m.latency_p90_ms) - 40.0) < 1e-6
+    assert (lm.kv_blocks, lm.credits, lm.free_credits, lm.running_sequences) == (100, 8, 7, 1)
+    assert (lm.engine_steps, lm.batch_tokens, lm.preemptions, lm.prompt_tokens, lm.cached_prompt_tokens) == (
+        3, 48, 1, 40, 32,
+    )  # fmt: skip
