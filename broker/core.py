@@ -373,7 +373,7 @@ class BrokerCore:
 
     def _answer_batch(self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], now: float) -> None:
         """The hot path of every result: an engine's BatchResult that accounts for every item."""
-        answered = self.stats[batch.model].answered
+        answered = self.stats[batch.model].latencies_s.append
         by_id = self.requests.by_id
         pop = self.requests.pop
         to_clients = self._to_clients
@@ -457,8 +457,8 @@ class BrokerCore:
             if finished:
                 status, message, field_name, start, stop = row
                 stats = self.stats[request.model]
+                stats.latencies_s.append(now - request.arrived_s)
                 stats.batch_done(1)
-                stats.answered(now - request.arrived_s)
                 self._reply(
                     request,
                     status,

@@ -9,12 +9,12 @@ compacted when they outnumber the live ones, so memory stays bounded by the requ
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 
-@dataclass(slots=True)
-class Request:
+
+class Request(msgspec.Struct, gc=False):  # a C-level constructor: this runs once per request
     item_id: int  # broker-wide id (clients' req_ids are only unique per client)
     client: bytes  # the client's ROUTER identity
     req_id: int  # the client's own id, echoed in the Reply
