@@ -217,8 +217,8 @@ class BrokerCore:
             if item.timeout_ms > 0:
                 timeout_s = item.timeout_ms / 1000.0
             request = add(identity, item.req_id, model, payload, item.decoded, now, timeout_s, item.stream)
-            if request is None:
-                self._answer(identity, Reply(item.req_id, Status.BAD_REQUEST, f"request id {item.req_id} is pending"))
+            if request is None:  # a client resubmitting what it believes lost: the first one answers
+                log.info("client %r resubmitted request %d, which is pending: ignored", identity, item.req_id)
             elif submit(model, request.item_id, now) is Admission.OVERLOADED:
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)

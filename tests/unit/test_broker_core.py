@@ -437,3 +437,16 @@ def test_health_reports_credits_batch_sizes_latencies_and_engine_counters():
     assert (lm.engine_steps, lm.batch_tokens, lm.preemptions, lm.prompt_tokens, lm.cached_prompt_tokens) == (
         3, 48, 1, 40, 32,
     )  # fmt: skip
+
+
+def test_a_resubmitted_request_that_is_still_pending_is_answered_once():
+    core = make()
+    hello(core, b"w", credits=1)
+    submit(core, b"a", [1])
+    submit(core, b"a", [1])  # the client thought the broker lost it
+    core.tick(0.0)
+    clients, work = core.flush()
+    assert clients == [] and len(core.requests) == 1
+    [b] = batches(work)
+    core.on_out(*result(b.header, b"w"), now=0.01)
+    assert [r.req_id for r, _ in replies(core.flush()[0], b"a")] == [1]

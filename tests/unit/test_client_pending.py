@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zserve.client.pending import BROKER_SILENCE_S, PING_INTERVAL_S, PendingTable
 from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError
-from zserve.protocol import Chunk, Chunks, HealthReport, Replies, Reply, Status
+from zserve.protocol import Chunk, Chunks, HealthReport, Replies, Reply, Status, Submit
 
 
 class Recorder:
@@ -28,7 +28,7 @@ def table_with(n: int, timeout_ms: int = 0, now: float = 0.0) -> tuple[PendingTa
     ids = [t.new_id() for _ in range(n)]
     waiters = [Recorder() for _ in ids]
     for i, w in zip(ids, waiters, strict=True):
-        t.add(i, w, timeout_ms, now)
+        t.add(Submit(i, "m", timeout_ms), [f"p{i}".encode()], w, now)
     return t, ids, waiters
 
 
@@ -62,14 +62,27 @@ def test_local_deadline_guard():
     assert all(isinstance(w.errors[0], DeadlineExceeded) for w in (wa, wb)) and len(t) == 0
 
 
-def test_broker_restart_and_silence_fail_everything_pending():
-    t, _, (wa,) = table_with(1)
+def test_broker_restart_resubmits_what_it_lost_within_the_deadline():
+    t, (a, b, c), (wa, wb, wc) = table_with(3, timeout_ms=2000, now=0.0)
     seen = []
     qid = t.add_health_query(seen.append)
-    t.dispatch(HealthReport(qid, epoch=1, draining=False), [], now=0.5)
-    assert seen and not wa.errors
-    t.dispatch(HealthReport(0, epoch=2, draining=False), [], now=0.6)  # another epoch: the broker restarted
-    assert isinstance(wa.errors[0], EngineLost)
+    assert t.dispatch(HealthReport(qid, epoch=1, draining=False), [], now=0.5) == [] and seen
+    t.dispatch(Chunks([Chunk(c, "text so far")]), [], now=0.6)
+    resend = t.dispatch(HealthReport(0, epoch=2, draining=False), [], now=1.5)  # another epoch: a restart
+    assert [(s.req_id, s.timeout_ms, f) for s, f in resend] == [
+        (a, 500, [f"p{a}".encode()]),
+        (b, 500, [f"p{b}".encode()]),
+    ]
+    assert isinstance(wc.errors[0], EngineLost) and "streaming" in wc.errors[0].message  # its text would repeat
+    assert not wa.errors and a in t and c not in t
+    t.dispatch(Replies([Reply(a, Status.OK)], [1]), [b"out"], now=1.6)  # the new broker answers: once
+    assert wa.replies == [(Reply(a, Status.OK), [b"out"])]
+    assert t.dispatch(HealthReport(0, epoch=2, draining=False), [], now=1.7) == []  # the new broker's: no restart
+    late = t.dispatch(HealthReport(0, epoch=3, draining=False), [], now=2.1)  # b's deadline has passed
+    assert late == [] and isinstance(wb.errors[0], DeadlineExceeded)
+
+
+def test_broker_silence_fails_everything_pending():
     t2, _, (wb,) = table_with(1, now=10.0)
     assert t2.ping_due(10.0 + PING_INTERVAL_S)
     assert not t2.ping_due(10.0 + PING_INTERVAL_S + 0.1)  # one ping per interval

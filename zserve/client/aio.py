@@ -15,11 +15,11 @@ import zmq.asyncio
 from zserve import payload
 from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
 from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
-from zserve.client.sync import MAX_ITEMS_PER_MESSAGE, endpoint_from_config
+from zserve.client.sync import endpoint_from_config, submits_messages
 from zserve.errors import BrokerUnavailable, ZserveError
-from zserve.frames import pack, received
+from zserve.frames import received
 from zserve.generation import GenerateResponse
-from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit, Submits
+from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
 
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: combining zmq's Flag enums costs more than the send
@@ -52,12 +52,11 @@ class AsyncClient:
         self.timeout_ms = timeout_ms
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._codec = Codec()
         self._table = PendingTable(endpoint)
-        # This turn's requests, sent together by _flush at the start of the next one.
-        self._items: list[Submit] = []
-        self._counts: list[int] = []
-        self._frames: list[Any] = []
+        # This turn's requests (and cancels), sent together by _flush at the start of the next one.
+        self._items: list[tuple[Submit, list[Any]]] = []
         self._cancels: list[int] = []
         self._flush_pending = False
         self._tasks: list[asyncio.Task] = []
@@ -76,7 +75,8 @@ class AsyncClient:
         if self._sock is None:
             self._ctx = zmq.asyncio.Context()
             self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
-            self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._tasks = [asyncio.create_task(t) for t in (self._reader(), self._watchdog(), self._on_disconnect())]
         return self._sock
 
     # ---- public API ----
@@ -143,6 +143,8 @@ class AsyncClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._table.fail_all(BrokerUnavailable("the client was closed"))
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
             self._sock = None
@@ -155,13 +157,11 @@ class AsyncClient:
         """Register a request and queue its Submit for this turn's message; its req_id."""
         self._socket()  # created lazily, inside the running loop
         timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
-        req_id = self._table.new_id()
-        self._table.add(req_id, waiter, timeout_ms, time.monotonic())
-        self._items.append(Submit(req_id, model, timeout_ms, decoded, stream))
-        self._counts.append(len(frames))
-        self._frames.extend(frames)
+        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream)
+        self._table.add(submit, frames, waiter, time.monotonic())
+        self._items.append((submit, frames))
         self._schedule_flush()
-        return req_id
+        return submit.req_id
 
     def _cancel(self, req_id: int) -> None:
         """Forget a request and tell the broker (in this turn's message, after its Submit if both are)."""
@@ -179,19 +179,10 @@ class AsyncClient:
         sock = self._sock
         if sock is None or sock.closed:
             return
-        items, counts, frames, cancels = self._items, self._counts, self._frames, self._cancels
-        self._items, self._counts, self._frames, self._cancels = [], [], [], []
-        if len(items) <= MAX_ITEMS_PER_MESSAGE:
-            if items:
-                self._send(sock, [self._codec.encode(Submits(items, counts)), *pack(frames)])
-        else:
-            offset = 0
-            for start in range(0, len(items), MAX_ITEMS_PER_MESSAGE):
-                part = counts[start : start + MAX_ITEMS_PER_MESSAGE]
-                n = sum(part)
-                header = Submits(items[start : start + MAX_ITEMS_PER_MESSAGE], part)
-                self._send(sock, [self._codec.encode(header), *pack(frames[offset : offset + n])])
-                offset += n
+        items, cancels = self._items, self._cancels
+        self._items, self._cancels = [], []
+        for message in submits_messages(self._codec, items):
+            self._send(sock, message)
         for req_id in cancels:
             self._send(sock, [self._codec.encode(Cancel(req_id))])
 
@@ -220,7 +211,18 @@ class AsyncClient:
             while frames[-1].more:
                 frames.append(zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False))
             msg = self._codec.decode(frames[0].buffer, "broker")
-            self._table.dispatch(msg, received(frames[1:], "the broker"), now)
+            self._resubmit(self._table.dispatch(msg, received(frames[1:], "the broker"), now))
+
+    def _resubmit(self, items: list[tuple[Submit, list[Any]]]) -> None:
+        """Requests the broker lost (it restarted), in the next turn's message (this may run inside a send)."""
+        if items:
+            self._items += items
+            self._schedule_flush()
+
+    async def _on_disconnect(self) -> None:
+        while True:
+            await self._monitor.recv_multipart()
+            self._resubmit(self._table.broker_lost(time.monotonic()))
 
     async def _reader(self) -> None:
         while True:

@@ -2,6 +2,11 @@
 liveness, and dispatch of the broker's coalesced Replies and Chunks to whoever waits for each request. No
 sockets and no clock of its own (``now`` is passed in): the sync and async clients own the sockets.
 
+Every pending request keeps its Submit and payload frames until it is answered: when the broker restarts
+(its epoch changes), the requests it lost are sent again to the new one, within their deadlines, so a broker
+crash loses nothing. A streamed request whose text had begun to arrive is the exception: it ends
+``EngineLost`` (a second run would repeat the text).
+
 Each request waits through a ``Waiter``: the sync client's resolves a ``concurrent.futures.Future`` on its
 IO thread, the async client's an ``asyncio.Future``, a stream's feeds a queue of text deltas.
 """
@@ -17,7 +22,7 @@ from typing import Any, Protocol
 
 from zserve import payload
 from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError, ZserveError, error_for
-from zserve.protocol import Chunks, HealthReport, Msg, Replies, Reply, Status
+from zserve.protocol import Chunks, HealthReport, Msg, Replies, Reply, Status, Submit
 
 log = logging.getLogger("zserve.client")
 
@@ -57,6 +62,9 @@ class Waiter(Protocol):
 class _Entry:
     waiter: Waiter
     guard_s: float | None  # answered DeadlineExceeded locally past this (the broker's own answer is lost)
+    submit: Submit
+    frames: list[Any]  # kept for a resubmission after a broker restart
+    streamed: bool = False  # text has arrived: it cannot be resubmitted
 
 
 class PendingTable:
@@ -79,11 +87,11 @@ class PendingTable:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def add(self, req_id: int, waiter: Waiter, timeout_ms: int, now: float) -> None:
+    def add(self, submit: Submit, frames: list[Any], waiter: Waiter, now: float) -> None:
         if not self._entries:
             self.last_heard_s = now  # silence is measured from the first pending request
-        guard = now + timeout_ms / 1000.0 + DEADLINE_GRACE_S if timeout_ms else None
-        self._entries[req_id] = _Entry(waiter, guard)
+        guard = now + submit.timeout_ms / 1000.0 + DEADLINE_GRACE_S if submit.timeout_ms else None
+        self._entries[submit.req_id] = _Entry(waiter, guard, submit, frames)
 
     def discard(self, req_id: int) -> Waiter | None:
         """Forget a request (cancelled by the caller); its waiter, if it was pending."""
@@ -100,8 +108,9 @@ class PendingTable:
 
     # ---- from the broker ----
 
-    def dispatch(self, msg: Msg | None, frames: list[Any], now: float) -> None:
-        """One decoded message from the broker and its payload frames."""
+    def dispatch(self, msg: Msg | None, frames: list[Any], now: float) -> list[tuple[Submit, list[Any]]]:
+        """One decoded message from the broker and its payload frames. Returns the requests to send again
+        (the broker restarted and lost them), usually none."""
         if isinstance(msg, Replies):
             self.last_heard_s = now
             self._replies(msg, frames)
@@ -110,18 +119,44 @@ class PendingTable:
             for chunk in msg.items:
                 entry = self._entries.get(chunk.req_id)
                 if entry is not None:
+                    entry.streamed = True
                     entry.waiter.chunk(chunk.text)
         elif isinstance(msg, HealthReport):
             self.last_heard_s = now
             restarted = self.epoch is not None and msg.epoch != self.epoch
             self.epoch = msg.epoch
-            if restarted:
-                self.fail_all(EngineLost("the broker restarted; the request was lost"))
             on_report = self._health.pop(msg.query_id, None)
             if on_report is not None:
                 on_report(msg)
+            if restarted:
+                return self.broker_lost(now)
         elif msg is not None:
             log.warning("unexpected %s from the broker", type(msg).__name__)
+        return []
+
+    def broker_lost(self, now: float) -> list[tuple[Submit, list[Any]]]:
+        """The connection to the broker dropped, or the broker restarted: every pending request is gone
+        there (a reconnected socket has a new identity, so even a broker that lived on could not answer it).
+        Returns what to resubmit, with what is left of each deadline; fails the rest."""
+        self.epoch = None  # the next HealthReport is the new broker's: not a restart
+        resend = []
+        for req_id, entry in list(self._entries.items()):
+            submit = entry.submit
+            if entry.streamed:
+                del self._entries[req_id]
+                entry.waiter.fail(EngineLost("the broker restarted while streaming; the text so far is all there is"))
+                continue
+            if entry.guard_s is not None:
+                left_ms = int((entry.guard_s - DEADLINE_GRACE_S - now) * 1000.0)
+                if left_ms <= 0:
+                    del self._entries[req_id]
+                    entry.waiter.fail(DeadlineExceeded("no answer before the deadline (the broker restarted)"))
+                    continue
+                submit = Submit(submit.req_id, submit.model, left_ms, submit.decoded, submit.stream)
+            resend.append((submit, entry.frames))
+        if resend:
+            log.warning("lost the broker at %s: resubmitting %d pending requests", self.endpoint, len(resend))
+        return resend
 
     def _replies(self, msg: Replies, frames: list[Any]) -> None:
         counts = msg.frame_counts

@@ -197,9 +197,11 @@ class Client:
     def _io_loop(self) -> None:
         codec = Codec()
         sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the broker went away: resubmit
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         table = self._table
         try:
             while True:
@@ -232,30 +234,33 @@ class Client:
                         except zmq.Again:
                             break
                         msg = codec.decode(frames[0].buffer, "broker")
-                        table.dispatch(msg, received(frames[1:], "the broker"), now)
+                        resend = table.dispatch(msg, received(frames[1:], "the broker"), now)
+                        if resend:
+                            _send_items(sock, codec, resend)
                 now = time.monotonic()
+                if monitor in events:
+                    while monitor.poll(0):
+                        monitor.recv_multipart()
+                    _send_items(sock, codec, table.broker_lost(now))
                 for req_id in table.expired(now):
                     sock.send(codec.encode(Cancel(req_id)))
                 if table.ping_due(now):
                     sock.send(codec.encode(HealthQuery(0)))
         finally:
             table.fail_all(BrokerUnavailable("the client was closed"))
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             self._ctx.term()
 
     def _send_submits(self, sock: zmq.Socket, codec: Codec, submits: list[_Outgoing]) -> None:
         now = time.monotonic()
-        for start in range(0, len(submits), MAX_ITEMS_PER_MESSAGE):
-            items, counts, frames = [], [], []
-            for out in submits[start : start + MAX_ITEMS_PER_MESSAGE]:
-                if not out.waiter.future.set_running_or_notify_cancel():
-                    continue  # the caller cancelled the Future before it left
-                self._table.add(out.submit.req_id, out.waiter, out.submit.timeout_ms, now)
-                items.append(out.submit)
-                counts.append(len(out.frames))
-                frames.extend(out.frames)
-            if items:
-                sock.send_multipart([codec.encode(Submits(items, counts)), *pack(frames)], copy=False)
+        leaving = []
+        for out in submits:
+            if out.waiter.future.set_running_or_notify_cancel():  # else the caller cancelled it meanwhile
+                self._table.add(out.submit, out.frames, out.waiter, now)
+                leaving.append((out.submit, out.frames))
+        _send_items(sock, codec, leaving)
 
     @staticmethod
     def _fail_unsent(submits: list[_Outgoing], health: list[concurrent.futures.Future]) -> None:
@@ -266,3 +271,18 @@ class Client:
         for future in health:
             if not future.done():
                 future.set_exception(BrokerUnavailable("the client was closed"))
+
+
+def submits_messages(codec: Codec, items: list[tuple[Submit, list[Any]]]) -> list[list[Any]]:
+    """The wire messages (header + packed frames) for requests: one Submits per MAX_ITEMS_PER_MESSAGE."""
+    messages = []
+    for start in range(0, len(items), MAX_ITEMS_PER_MESSAGE):
+        part = items[start : start + MAX_ITEMS_PER_MESSAGE]
+        header = Submits([submit for submit, _ in part], [len(frames) for _, frames in part])
+        messages.append([codec.encode(header), *pack([f for _, frames in part for f in frames])])
+    return messages
+
+
+def _send_items(sock: zmq.Socket, codec: Codec, items: list[tuple[Submit, list[Any]]]) -> None:
+    for message in submits_messages(codec, items):
+        sock.send_multipart(message, copy=False)
