@@ -89,6 +89,15 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     generative: bool = False
     running_sequences: int = 0  # generative: sequences held by engines (running or waiting for KV blocks)
     free_kv_blocks: int = 0  # generative: free KV blocks over all engines, from their last report
+    # For `zserve status` (appended; a broker that does not fill them sends the defaults, shown as "-"):
+    credits: int = 0  # engine credits over the ready engines (batches; sequences for a generative engine)
+    free_credits: int = 0  # of those, not held by a batch or sequence
+    kv_blocks: int = 0  # generative: KV pool size over all engines (their Hello.kv_blocks)
+    batches: int = 0  # engine batches completed since the broker started (0 = no batch statistics)
+    mean_batch_size: float = 0.0  # items per engine batch, over recent batches
+    latency_p50_ms: float = 0.0  # arrival at the broker to reply sent, over recent answered requests
+    latency_p90_ms: float = 0.0
+    latency_p99_ms: float = 0.0
 
 
 class HealthReport(Msg, tag=5):
