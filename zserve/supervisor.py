@@ -176,12 +176,13 @@ class Supervisor:
     def frontend_child(self) -> Child:
         """The HTTP server ([frontends] server); its environment is built by ``frontend_env`` when it
         starts (a fresh metrics dir each time)."""
-        argv = server_argv(self.config.frontends, self.run_dir / f"{self.config.frontends.server}.pid")
+        f = self.config.frontends
+        argv = server_argv(f, self.run_dir / f"{f.server}-{f.port}.pid")  # one run dir may serve several ports
         return Child("frontend", "frontend", argv, {})
 
     def frontend_env(self) -> dict[str, str]:
         """What every frontend worker reads: its settings (JSON) and an empty prometheus multiprocess dir."""
-        metrics_dir = self.run_dir / "metrics"
+        metrics_dir = self.run_dir / f"metrics-{self.config.frontends.port}"  # one per frontend server
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)
         settings = FrontendSettings.from_config(self.config, self.endpoints, self.staged)

@@ -63,8 +63,10 @@ def deployment(request, tmp_path_factory):
     path = write_config(tmp, CONFIG.format(port=free_port(), log_path=tmp / "computed.txt", server=request.param))
     d = Deployment(path).wait_ready()
     module = {"gunicorn": "gunicorn", "granian": "zserve.frontends.granian_main"}[request.param]
-    [master] = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
-    assert len(master.children()) == 2  # its workers
+    servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
+    if len(servers) != 1 or len(servers[0].children()) != 2:  # the server's master and its 2 workers
+        d.stop()
+        raise AssertionError(f"expected one {module} master with 2 workers: {servers}")
     yield d
     everything = d.descendants()
     assert d.stop() == 0, d.output
