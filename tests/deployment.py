@@ -106,3 +106,69 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def http_get(url: str, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, what: str = "") -> None:
+    """Poll ``url``/readyz until 200; fail early if ``proc`` (what serves it) exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if http_get(url, "/readyz", timeout_s=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/readyz never answered 200 (exit {proc.poll()}); {what}")
+        time.sleep(0.2)
+
+
+class Supervisord:
+    """The real supervisord (pip `supervisor`) in the foreground on a rendered `zserve supervisord-conf`."""
+
+    def __init__(self, config_path: Path, state_dir: Path) -> None:
+        self.conf = state_dir / "supervisord.conf"
+        self.state_dir = state_dir
+        render = subprocess.run(
+            [sys.executable, "-m", "zserve.cli", "supervisord-conf", "-c", str(config_path), "--dir", str(state_dir),
+             "-o", str(self.conf)],
+            capture_output=True, text=True, env=subprocess_env(), timeout=60,
+        )  # fmt: skip
+        assert render.returncode == 0, render.stderr
+        bin_dir = Path(sys.executable).parent
+        self.ctl_argv = [str(bin_dir / "supervisorctl"), "-c", str(self.conf)]
+        self.proc = subprocess.Popen(
+            [str(bin_dir / "supervisord"), "-n", "-c", str(self.conf)],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def ctl(self, *args: str, timeout_s: float = 120) -> str:
+        run = subprocess.run([*self.ctl_argv, *args], capture_output=True, text=True, timeout=timeout_s)
+        return run.stdout + run.stderr
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.state_dir.glob("*.log"))
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def shutdown(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # supervisord stops its programs in reverse priority, then exits
+        try:
+            return self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from zserve.config import Config, ConfigError, endpoints_for, load_config, run_dir_for
 
@@ -46,6 +47,56 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _supervisord_conf(args: argparse.Namespace) -> int:
+    from zserve.supervisord import render
+
+    config = _load(args.config)
+    if config is None:
+        return 2
+    config_path = Path(args.config).resolve()
+    state_dir = Path(args.dir) if args.dir else config_path.parent / "supervisord"
+    try:
+        text = render(config, config_path, state_dir, args.group)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+    state_dir.mkdir(parents=True, exist_ok=True)  # supervisord creates neither its socket's nor its logs' dir
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}; start it with: supervisord -c {args.output}", file=sys.stderr)
+    return 0
+
+
+def _child(args: argparse.Namespace) -> int:
+    from zserve.logs import setup_logging
+    from zserve.supervisord import exec_child
+
+    config = _load(args.config)
+    if config is None:
+        return 2
+    setup_logging(args.name)
+    try:
+        return exec_child(config, args.config, args.name)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    from zserve.status import status
+
+    config = _load(args.config)
+    if config is None:
+        return 2
+    try:
+        return status(config, args.config, sys.stdout, timeout_s=args.timeout)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve", description="High-throughput model serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +117,41 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a deployment file and print where its broker listens")
     check.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
     check.set_defaults(func=_check)
+
+    conf = sub.add_parser(
+        "supervisord-conf",
+        help="render a supervisord configuration for a deployment",
+        description="Print (or write with -o) a supervisord configuration: one program per broker, stage, engine "
+        "and frontend server, in one group, each started with `zserve child`. Run it with `supervisord -c FILE`.",
+    )
+    conf.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
+    conf.add_argument("-o", "--output", default=None, help="write here instead of standard output")
+    conf.add_argument(
+        "--dir", default=None, help="supervisord's socket, pid file and logs (default: supervisord/ next to -c)"
+    )
+    conf.add_argument("--group", default="zserve", help="the supervisord group name (default: %(default)s)")
+    conf.set_defaults(func=_supervisord_conf)
+
+    child = sub.add_parser(
+        "child",
+        help="run one process of a deployment (what supervisord-conf's programs run)",
+        description="Build the command line of process NAME (broker, engine-MODEL-I, stage-MODEL-I, frontend) as "
+        "`zserve up` would and exec it. The frontend first waits until every engine and stage has registered.",
+    )
+    child.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
+    child.add_argument("name", help="broker, engine-MODEL-I, stage-MODEL-I or frontend")
+    child.set_defaults(func=_child)
+
+    st = sub.add_parser(
+        "status",
+        help="show a running deployment; exit 0 when every model is ready",
+        description="Print the processes (under `zserve up`) and, per model, engines, queue, credits, batch size, "
+        "latency percentiles and, for generative models, running sequences and KV use. Exit 0 when every model "
+        "is ready, 1 otherwise.",
+    )
+    st.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the broker (default: %(default)s)")
+    st.set_defaults(func=_status)
     return parser
 
 

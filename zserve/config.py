@@ -11,7 +11,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -60,6 +60,7 @@ class FrontendsConfig(_Section, kw_only=True):
     port: Annotated[int, Meta(ge=1, le=65535)] = 8000
     max_body_bytes: PositiveInt = 1 << 20
     graceful_timeout_s: NonNegativeFloat = 10.0
+    server: Literal["gunicorn", "granian"] = "gunicorn"  # the HTTP server that runs the falcon ASGI app
 
 
 class ModelConfig(_Section, kw_only=True):

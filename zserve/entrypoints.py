@@ -31,7 +31,7 @@ from zserve.config import Config, ConfigError, ModelConfig, load_config, to_toml
 from zserve.model import Model, load_handler, predict_inline, setup_inline
 from zserve.transport import free_tcp_port
 
-_FRONTEND_KEYS = {"port", "host", "workers", "max_body_bytes"}
+_FRONTEND_KEYS = {"port", "host", "workers", "max_body_bytes", "server"}
 
 
 class Pipeline:
@@ -146,7 +146,7 @@ def serve(
     """Start the full deployment (``zserve up``) in the background, wait until it is ready, and return a
     connected client whose ``terminate()`` stops it. ``config_or_model`` is a supervisor.toml, or a model
     (handler string, class or instance) served alone. Overrides: ``port``, ``host``, ``workers``,
-    ``max_body_bytes`` ([frontends]); with a model also ``name``, ``options`` and any ``[[models]]`` key."""
+    ``max_body_bytes``, ``server`` ([frontends]); with a model also ``name``, ``options`` and any ``[[models]]`` key."""
     config = _config_for(config_or_model, dict(overrides))
     workdir = Path(tempfile.mkdtemp(prefix="zserve-serve-"))
     path = workdir / "supervisor.toml"

@@ -3,9 +3,11 @@
 Order: broker -> engines -> (once every engine has registered) gunicorn frontends -> one line
 ``zserve ready: http://HOST:PORT`` once /readyz answers 200. A child that dies is restarted with
 exponential backoff; one that dies more than ``max_restarts`` times within ``restart_window_s`` makes
-the supervisor give up loudly (stop everything, exit 1) rather than flap. SIGTERM or Ctrl-C stops in
+the supervisor give up loudly (stop everything, exit 1) rather than flap. The process table (pids,
+start times, restarts) is published in RUN_DIR/state.json for `zserve status`. SIGTERM or Ctrl-C stops in
 order (frontends, then the broker, which drains and tells engines to exit, then any straggler) and
-exits 0 with nothing left running. Every child's output is prefixed with its name.
+exits 0 with nothing left running. Every child's output is prefixed with its name. The frontends are
+gunicorn or granian (``[frontends] server``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from zserve.config import (
     run_dir_for,
 )
 from zserve.errors import BrokerUnavailable
+from zserve.frontends.servers import server_argv
 from zserve.hooks import HookError, check_preprocess_hooks
 from zserve.model import load_handler, uses_preprocess
+from zserve.state import ProcessState, SupervisorState, write_state
 
 log = logging.getLogger("zserve.supervisor")
 
@@ -71,16 +75,25 @@ class StartupError(RuntimeError):
     """The deployment could not start; the message says which process and why."""
 
 
+CHILD_ENV = {"ZSERVE_SUPERVISED": "1", "PYTHONUNBUFFERED": "1"}
+
+
 @dataclass
 class Child:
     name: str
     role: str  # broker | engine | stage | frontend
     argv: list[str]
-    env: dict[str, str]
+    extra_env: dict[str, str]  # what this child needs on top of the supervisor's environment
     proc: subprocess.Popen | None = None
     restarts: collections.deque = field(default_factory=collections.deque)  # times of recent restarts
+    restart_count: int = 0  # since the supervisor started (for `zserve status`)
+    started_at: float = 0.0  # wall-clock time of the last start
     restart_at: float | None = None
     pump: threading.Thread | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **CHILD_ENV, **self.extra_env}
 
 
 class Supervisor:
@@ -117,12 +130,6 @@ class Supervisor:
 
     # ---- children ----
 
-    def _base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["ZSERVE_SUPERVISED"] = "1"
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
-
     def broker_child(self) -> Child:
         e = self.endpoints
         config_json = msgspec.json.encode(self.config).decode()
@@ -130,10 +137,10 @@ class Supervisor:
                 "--client", e.client, "--work", e.work, "--out", e.out,
                 "--staged-models", ",".join(self.staged),
                 "--generative-models", ",".join(self.generative)]  # fmt: skip
-        return Child("broker", "broker", argv, self._base_env())
+        return Child("broker", "broker", argv, {})
 
     def engine_child(self, model: ModelConfig, index: int) -> Child:
-        env = self._base_env()
+        env = {"OMP_NUM_THREADS": str(model.threads)}  # torch's intra-op threads (the engine sets the rest)
         device = model.device_for(index)
         if device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
@@ -143,8 +150,7 @@ class Supervisor:
 
     def stage_child(self, model: ModelConfig, index: int) -> Child:
         """A preprocess stage: CPU only (no device), one credit, so batches spread evenly over stages."""
-        env = self._base_env()
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a stage never touches the accelerator
+        env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(model.threads)}  # a stage never uses a device
         name = f"stage-{model.name}-{index}"
         return Child(name, "stage", [*self._worker_argv("preprocess", name, model, "cpu"), "--credits", "1"], env)
 
@@ -156,49 +162,37 @@ class Supervisor:
                 "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
                 "--heartbeat-liveness", str(b.heartbeat_liveness)]  # fmt: skip
 
+    def worker_children(self) -> list[Child]:
+        """Every engine and stage process of the deployment, model by model."""
+        children = []
+        for model in self.config.models:
+            children += [self.engine_child(model, i) for i in range(model.engines)]
+            children += [self.stage_child(model, i) for i in range(self.stage_count(model))]
+        return children
+
     def stage_count(self, model: ModelConfig) -> int:
         return preprocess_workers_for(self.config, model, self.staged) if model.name in self.staged else 0
 
     def frontend_child(self) -> Child:
+        """The HTTP server ([frontends] server); its environment is built by ``frontend_env`` when it
+        starts (a fresh metrics dir each time)."""
         f = self.config.frontends
-        env = self._base_env()
-        env["ZSERVE_FRONTEND"] = msgspec.json.encode(
-            FrontendSettings.from_config(self.config, self.endpoints, self.staged)
-        ).decode()
-        metrics_dir = self.run_dir / "metrics"
+        argv = server_argv(f, self.run_dir / f"{f.server}-{f.port}.pid")  # one run dir may serve several ports
+        return Child("frontend", "frontend", argv, {})
+
+    def frontend_env(self) -> dict[str, str]:
+        """What every frontend worker reads: its settings (JSON) and an empty prometheus multiprocess dir."""
+        metrics_dir = self.run_dir / f"metrics-{self.config.frontends.port}"  # one per frontend server
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        host = f"[{f.host}]" if ":" in f.host else f.host
-        argv = [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--worker-class",
-            "asgi",
-            "--workers",
-            str(f.workers),
-            "--bind",
-            f"{host}:{f.port}",
-            "--no-control-socket",
-            "--graceful-timeout",
-            str(int(f.graceful_timeout_s)),
-            "--asgi-disconnect-grace-period",
-            "0",
-            "--keep-alive",
-            "5",
-            "--error-logfile",
-            "-",
-            "--pid",
-            str(self.run_dir / "gunicorn.pid"),
-            "-c",
-            "python:zserve.frontends.gunicorn_conf",
-            "zserve.frontends.app:create_app()",
-        ]
-        return Child("frontend", "frontend", argv, env)
+        settings = FrontendSettings.from_config(self.config, self.endpoints, self.staged)
+        return {"ZSERVE_FRONTEND": msgspec.json.encode(settings).decode(), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
 
     def start(self, child: Child) -> None:
         child.restart_at = None
+        if child.role == "frontend":
+            child.extra_env.update(self.frontend_env())
+        child.started_at = time.time()
         child.proc = subprocess.Popen(
             child.argv,
             env=child.env,
@@ -212,6 +206,27 @@ class Supervisor:
         self.say("supervisor", f"started {child.name} (pid {child.proc.pid})")
         if child not in self.children:
             self.children.append(child)
+        self.write_state()
+
+    def write_state(self) -> None:
+        """Publish the process table for `zserve status` (RUN_DIR/state.json, replaced atomically)."""
+        state = SupervisorState(
+            pid=os.getpid(),
+            url=self.url,
+            staged=self.staged,
+            processes=[
+                ProcessState(
+                    name=c.name,
+                    role=c.role,
+                    pid=c.proc.pid if c.proc is not None else 0,
+                    state="restarting" if c.restart_at is not None else "running",
+                    started_at=c.started_at,
+                    restarts=c.restart_count,
+                )
+                for c in self.children
+            ],
+        )
+        write_state(self.run_dir, state)
 
     def tick(self) -> None:
         """Notice dead children; restart them with backoff, or give up."""
@@ -244,7 +259,9 @@ class Supervisor:
                 return
             backoff = min(_MAX_BACKOFF_S, s.restart_backoff_s * (2 ** len(child.restarts)))
             child.restarts.append(now)
+            child.restart_count += 1
             child.restart_at = now + backoff
+            self.write_state()
             self.say("supervisor", f"{child.name} exited with code {code}; restarting in {backoff:.1f}s")
 
     def wait_until(self, what: str, ready: Callable[[], bool]) -> None:
@@ -262,7 +279,7 @@ class Supervisor:
 
     # ---- readiness probes ----
 
-    def _engines_registered(self, client: Client) -> bool:
+    def engines_registered(self, client: Client) -> bool:
         try:
             report = client.health(timeout_s=1.0)
         except BrokerUnavailable:
@@ -288,7 +305,12 @@ class Supervisor:
 
     # ---- lifecycle ----
 
-    def _prepare_run_dir(self) -> None:
+    @property
+    def lock_fd(self) -> int:
+        assert self._lock is not None, "prepare_run_dir() first"
+        return self._lock.fileno()
+
+    def prepare_run_dir(self) -> None:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.run_dir.stat().st_uid != os.getuid():
             raise StartupError(f"run dir {self.run_dir} belongs to another user")
@@ -319,17 +341,14 @@ class Supervisor:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         try:
-            self._prepare_run_dir()
+            self.prepare_run_dir()
             self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
             self.start(self.broker_child())
             with Client(self.endpoints.client) as client:
                 self.wait_until("the broker", lambda: self._broker_answers(client))
-                for model in self.config.models:
-                    for i in range(model.engines):
-                        self.start(self.engine_child(model, i))
-                    for i in range(self.stage_count(model)):
-                        self.start(self.stage_child(model, i))
-                self.wait_until("the engines and stages to register", lambda: self._engines_registered(client))
+                for child in self.worker_children():
+                    self.start(child)
+                self.wait_until("the engines and stages to register", lambda: self.engines_registered(client))
             self.start(self.frontend_child())
             self.wait_until(f"{self.url}/readyz", self._http_ready)
             self.say("supervisor", f"zserve ready: {self.url}")

@@ -1,4 +1,4 @@
-"""`zserve up` + HTTP through gunicorn: the whole data plane as users run it."""
+"""`zserve up` + HTTP through gunicorn and through granian: the whole data plane as users run it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
-from deployment import Deployment, free_port, write_config
+from deployment import Deployment, alive, free_port, write_config
 
 CONFIG = """
 [broker]
@@ -19,6 +20,7 @@ heartbeat_interval_ms = 100
 workers = 2
 port = {port}
 max_body_bytes = 4096
+server = "{server}"
 
 [[models]]
 name = "slow"
@@ -54,13 +56,21 @@ delay_s = 0.4
 """
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+@pytest.fixture(scope="module", params=["gunicorn", "granian"])
+def deployment(request, tmp_path_factory):
+    """The same tests behind each frontend server; SIGTERM must stop all of it, server workers included."""
     tmp = tmp_path_factory.mktemp("e2e")
-    path = write_config(tmp, CONFIG.format(port=free_port(), log_path=tmp / "computed.txt"))
+    path = write_config(tmp, CONFIG.format(port=free_port(), log_path=tmp / "computed.txt", server=request.param))
     d = Deployment(path).wait_ready()
+    module = {"gunicorn": "gunicorn", "granian": "zserve.frontends.granian_main"}[request.param]
+    servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
+    if len(servers) != 1 or len(servers[0].children()) != 2:  # the server's master and its 2 workers
+        d.stop()
+        raise AssertionError(f"expected one {module} master with 2 workers: {servers}")
     yield d
+    everything = d.descendants()
     assert d.stop() == 0, d.output
+    assert alive(everything) == []
 
 
 def test_predict_health_and_model_list(deployment):

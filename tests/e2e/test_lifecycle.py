@@ -36,7 +36,7 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
     children = d.descendants()
     names = " ".join(" ".join(p.cmdline()) for p in children)
     assert "zserve.broker.broker" in names and "zserve.stages.engine" in names and "gunicorn" in names
-    assert len([p for p in children if "gunicorn" in " ".join(p.cmdline())]) == 3  # master + 2 workers
+    assert len([p for p in children if p.cmdline()[1:3] == ["-m", "gunicorn"]]) == 3  # master + 2 workers
     run_dir = run_dir_for(load_config(path), path)
     assert run_dir.stat().st_mode & 0o777 == 0o700
 
