@@ -16,6 +16,8 @@ import msgspec
 
 from zserve.client import AsyncClient
 from zserve.config import FrontendSettings
+from zserve.frontends.auth import RequireApiKey, api_keys_from
+from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_models
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
 from zserve.frontends.resources import (
     Health,
@@ -44,7 +46,9 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     client = AsyncClient(settings.client_endpoint)
     health = Health(client)
 
-    app = falcon.asgi.App(cors_enable=False)
+    keys = api_keys_from(settings.api_keys_file)
+    middleware = [RequireApiKey(keys, settings.auth_health, settings.probe_key)] if keys.enabled else []
+    app = falcon.asgi.App(cors_enable=False, middleware=middleware)
     app.req_options.auto_parse_form_urlencoded = False
     app.set_error_serializer(error_serializer)
     app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
@@ -53,9 +57,12 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
         app.add_route("/v1/completions", CompletionsResource(client, handlers, settings.max_body_bytes))
         app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, settings.max_body_bytes))
         app.add_route("/mii/{deployment}", MiiResource(client, handlers, settings.max_body_bytes))
+    if embedding_models(handlers):
+        app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, settings.max_body_bytes))
     app.add_route("/healthz", LiveResource())
     staged = [m.name for m in settings.models if m.preprocess]
     app.add_route("/readyz", ReadyResource(health, list(handlers), staged))
     app.add_route("/metrics", MetricsResource(health))
-    log.info("frontend worker up (pid %d), models: %s", os.getpid(), ", ".join(handlers))
+    log.info("frontend worker up (pid %d), models: %s, API keys %s", os.getpid(), ", ".join(handlers),
+             "required" if keys.enabled else "off")  # fmt: skip
     return app

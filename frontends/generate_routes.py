@@ -21,7 +21,7 @@ import msgspec
 from zserve.client import AsyncClient
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
-from zserve.frontends.resources import RequestError, read_json, set_error
+from zserve.frontends.resources import RequestError, openai_error, read_json, set_error
 from zserve.generation import GenerateResponse
 from zserve.model import Model
 
@@ -30,18 +30,6 @@ _json = msgspec.json.Encoder()
 _UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": None,
                 "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None,
                 "response_format": None}  # fmt: skip
-
-
-def openai_error(resp: falcon.asgi.Response, status: int, code: str, message: str, param: str = "") -> None:
-    """Like ``set_error``, in OpenAI's shape (``param`` is our ``field``, ``code`` our error type)."""
-    kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
-    resp.status = status
-    resp.content_type = falcon.MEDIA_JSON
-    resp.data = _json.encode(
-        {"error": {"message": message, "type": kind, "param": param or None, "code": code or None}}
-    )
-    if status == 503:
-        resp.set_header("Retry-After", "1")
 
 
 def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:

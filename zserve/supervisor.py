@@ -15,6 +15,7 @@ import fcntl
 import http.client
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -95,6 +96,8 @@ class Supervisor:
         self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
         self.staged, self.generative = model_kinds(config)  # raises ConfigError
         self.children: list[Child] = []
+        # Our own key for /readyz, which needs one when [frontends] auth_health is set.
+        self.probe_key = secrets.token_urlsafe(32)
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
         f = config.frontends
         host = f"[{f.host}]" if ":" in f.host else f.host
@@ -163,7 +166,7 @@ class Supervisor:
         f = self.config.frontends
         env = self._base_env()
         env["ZSERVE_FRONTEND"] = msgspec.json.encode(
-            FrontendSettings.from_config(self.config, self.endpoints, self.staged)
+            FrontendSettings.from_config(self.config, self.endpoints, self.staged, probe_key=self.probe_key)
         ).decode()
         metrics_dir = self.run_dir / "metrics"
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -279,7 +282,7 @@ class Supervisor:
         f = self.config.frontends
         conn = http.client.HTTPConnection(f.host, f.port, timeout=2)
         try:
-            conn.request("GET", "/readyz")
+            conn.request("GET", "/readyz", headers={"Authorization": f"Bearer {self.probe_key}"})
             return conn.getresponse().status == 200
         except OSError:
             return False

@@ -59,5 +59,7 @@ def test_decode_request_rejects_bad_bodies_naming_the_field(model, body):
 
 
 def test_response_shape(model):
-    out = model.encode_response(model.embed([model.decode_request({"text": "hi"})])[0])
+    [output] = model.predict(model.preprocess([model.decode_request({"text": "hi"})]))
+    assert output["tokens"] == 3  # [CLS] hi [SEP]
+    out = model.encode_response(output)
     assert list(out) == ["embedding"] and len(out["embedding"]) == 384

