@@ -14,7 +14,6 @@ import msgspec
 from msgspec import Meta
 
 from zserve.errors import BadRequest
-from zserve.generation import GenerateResponse
 
 T = TypeVar("T")
 # Sampling seeds and token counts travel to torch as int64.
@@ -219,22 +218,23 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
 
 
 class MiiRequest(msgspec.Struct, kw_only=True):
-    """``POST /mii/{deployment}``: the prompts, and any sampling option of the native generate body
-    (``max_new_tokens``, ``max_length``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-    ``ignore_eos``, ...) plus MII's ``do_sample``."""
+    """``POST /mii/{deployment}``: the prompts, MII's options, and the native generate body's sampling
+    options (as in ``GenerateRequest``; any other field is refused by it, naming the field)."""
 
     prompts: str | list[str]
-    do_sample: bool | None = None
+    do_sample: bool | None = None  # MII's default: true, with top_p 0.9
+    stream: bool | None = None  # ignored: MII's REST answer is never streamed
+    return_full_text: bool | None = None  # ignored
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_length: Annotated[int, Meta(ge=1)] | None = None
+    max_length: Annotated[int, Meta(ge=1)] | None = None  # prompt + generated; default 1024
+    min_new_tokens: Annotated[int, Meta(ge=0)] | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-
-
-MiiResponse = list[GenerateResponse]
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    ignore_eos: bool | None = None
 
 
 # OpenAI embeddings.

@@ -18,9 +18,10 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from zserve.client import AsyncClient
+from zserve.client import AsyncClient, AsyncGenerationStream
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
+from zserve.frontends.api_types import ChatCompletionRequest, CompletionRequest, MiiRequest, decode_body
 from zserve.frontends.resources import RequestError, openai_error, read_json, set_error
 from zserve.generation import GenerateResponse
 from zserve.model import Model
@@ -124,6 +125,7 @@ class _OpenAIRoute(_GenerateRoute):
     object_name = ""  # "text_completion" | "chat.completion"
     chunk_object_name = ""  # what a streamed event's "object" says
     id_prefix = ""
+    request_type: type = CompletionRequest  # checks the JSON types of the fields (and /openapi.json shows it)
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
@@ -131,8 +133,7 @@ class _OpenAIRoute(_GenerateRoute):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         async def work(named: list[str]) -> None:
             body = await read_json(req, self.max_body_bytes)
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object", field="body")
+            decode_body(body, self.request_type)
             name = body.get("model")
             model = self._model(name)
             named.append(name)
@@ -142,7 +143,15 @@ class _OpenAIRoute(_GenerateRoute):
                 if len(items) != 1:
                     raise BadRequest("streaming takes one prompt per request", field="prompt")
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                resp.sse = self._stream(name, items[0], meta, usage)
+                stream = self.client.generate_stream(items[0], model=name, decoded=True)
+                try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
+                    first: str | None = await anext(stream)
+                except StopAsyncIteration:
+                    first = None  # finished without text
+                except BaseException:
+                    await stream.aclose()
+                    raise
+                resp.sse = self._stream(stream, first, meta, usage)
                 resp.set_header("Cache-Control", "no-cache")
                 return
             responses = await asyncio.gather(*(self._run(name, item) for item in items))
@@ -167,11 +176,14 @@ class _OpenAIRoute(_GenerateRoute):
     def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def _stream(self, name: str, item: Any, meta: dict[str, Any], usage: bool) -> AsyncIterator[Any]:
-        stream = self.client.generate_stream(item, model=name, decoded=True)
+    async def _stream(
+        self, stream: AsyncGenerationStream, first_text: str | None, meta: dict[str, Any], usage: bool
+    ) -> AsyncIterator[Any]:
         chunk = {**meta, "object": self.chunk_object_name}
         try:
-            first = True
+            if first_text is not None:
+                yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(first_text, True, None)]})
+            first = first_text is None
             async for text in stream:
                 yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(text, first, None)]})
                 first = False
@@ -220,6 +232,7 @@ class ChatCompletionsResource(_OpenAIRoute):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    request_type = ChatCompletionRequest
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         sampling = _openai_sampling(body, default_max_tokens=None)  # None: the model's default
@@ -247,8 +260,7 @@ class MiiResource(_GenerateRoute):
             model = self._model(deployment)
             named.append(deployment)
             body = await read_json(req, self.max_body_bytes)
-            if not isinstance(body, dict):
-                raise BadRequest('the body must be a JSON object {"prompts": ...}', field="body")
+            decode_body(body, MiiRequest)
             items = self._requests(model, body)
             responses = await asyncio.gather(*(self._run(deployment, item) for item in items))
             resp.data = _json.encode([msgspec.to_builtins(r) for r in responses])
@@ -257,7 +269,7 @@ class MiiResource(_GenerateRoute):
         await self._answer(resp, set_error, work)
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        body = dict(body)
+        body = {key: value for key, value in body.items() if value is not None}  # null: the default
         prompts = body.pop("prompts", None)
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -269,10 +281,7 @@ class MiiResource(_GenerateRoute):
             body.setdefault("top_p", 0.9)
         else:
             body["temperature"] = 0.0
-        if body.get("top_k") is None:
-            body.pop("top_k", None)
-        if body.get("max_new_tokens") is None:
-            body.pop("max_new_tokens", None)
+        if "max_new_tokens" not in body:
             body.setdefault("max_length", 1024)
         if isinstance(body.get("stop"), str):
             body["stop"] = [body["stop"]]

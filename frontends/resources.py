@@ -137,6 +137,9 @@ class PredictResource:
             return 400, 0
         try:
             answer = await self.client.infer(name, item, decoded=True)
+        except payload.PayloadError as exc:  # e.g. an integer past 64 bits: JSON has them, msgpack does not
+            set_error(resp, 400, "bad_request", f"the request cannot travel to the model: {exc}", "body")
+            return 400, 0
         except ZserveError as exc:
             set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
             return exc.http_status, 0
