@@ -52,7 +52,10 @@ class ApiKeys:
     def __init__(self, path: str, from_env: list[bytes]) -> None:
         self.path = path
         self.from_env = from_env
-        self.from_file: list[bytes] = read_keys_file(path) if path else []
+        try:
+            self.from_file: list[bytes] = read_keys_file(path) if path else []
+        except OSError as exc:
+            raise RuntimeError(f"[frontends] api_keys_file: cannot read {path}: {exc.strerror}") from None
         if path and not self.from_file:
             log.warning("api_keys_file %s holds no key: every request needs one, so all are refused", path)
 

@@ -175,3 +175,19 @@ def test_the_key_file_is_reloaded_on_sighup_in_each_worker(deployment):
         assert d.request("POST", "/v1/models/echo/predict", {"x": 1}, _auth(FILE_KEY))[0] == 401
         assert d.request("POST", "/v1/models/echo/predict", {"x": 1}, _auth(ENV_KEY))[0] == 200
     assert _oai(d, NEW_KEY).embeddings.create(model="minilm", input="rotated").data[0].index == 0
+
+
+def test_sighup_to_the_gunicorn_master_replaces_the_workers_which_read_the_file(deployment):
+    d = deployment
+    d.keys_file.write_text(f"{FILE_KEY}\n")
+    [master] = [p for p in d.descendants() if p.ppid() == d.proc.pid and "gunicorn" in p.cmdline()]
+    old_workers = set(_gunicorn_workers(d))
+    seen = d.output.count("frontend worker up")
+    master.send_signal(signal.SIGHUP)  # gunicorn's own reload: new workers, the old ones stop gracefully
+    deadline = time.monotonic() + 60
+    while d.output.count("frontend worker up") < seen + 2 or set(_gunicorn_workers(d)) & old_workers:
+        assert time.monotonic() < deadline, d.output[-3000:]
+        time.sleep(0.05)
+    for _ in range(8):
+        assert d.request("POST", "/v1/models/echo/predict", {"x": 1}, _auth(FILE_KEY))[0] == 200
+        assert d.request("POST", "/v1/models/echo/predict", {"x": 1}, _auth(NEW_KEY))[0] == 401

@@ -4,6 +4,7 @@ no 5xx and no answer outside the documented status codes, content types and sche
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(deploymen
          "--header", f"Authorization: Bearer {KEY}",
          "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
                      "response_schema_conformance,response_headers_conformance",
-         "--phases", "examples,coverage,fuzzing", "--max-examples", "15", "--max-time", "60",
+         "--phases", "examples,coverage,fuzzing", "--max-examples", "15", "--max-time", "40",
          "--generation-deterministic", "--request-timeout", "60", "--workers", "2",
          "--continue-on-failure"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
@@ -105,3 +106,12 @@ def test_an_integer_past_64_bits_is_a_400_not_a_500(deployment):
     status, _, out = deployment.request("POST", "/v1/models/echo/predict", '{"x": 123456789012345678901234567890}',
                                         _auth())  # fmt: skip
     assert status == 400 and out["error"]["field"] == "body"
+
+
+def test_the_supervisors_probe_key_opens_the_health_routes_only(deployment):
+    [master] = [p for p in deployment.descendants() if p.ppid() == deployment.proc.pid and "gunicorn" in p.cmdline()]
+    probe_key = json.loads(master.environ()["ZSERVE_FRONTEND"])["probe_key"]
+    probe = {"Authorization": f"Bearer {probe_key}"}
+    assert len(probe_key) > 30 and probe_key not in deployment.output
+    assert deployment.request("GET", "/readyz", None, probe)[0] == 200
+    assert deployment.request("GET", "/v1/models", None, probe)[0] == 401
