@@ -61,6 +61,8 @@ class FrontendsConfig(_Section, kw_only=True):
     max_body_bytes: PositiveInt = 1 << 20
     graceful_timeout_s: NonNegativeFloat = 10.0
     server: Literal["gunicorn", "granian"] = "gunicorn"  # the HTTP server that runs the falcon ASGI app
+    api_keys_file: str = ""  # "" = no key file; keys may also come from ZSERVE_API_KEYS
+    auth_health: bool = False  # true: /healthz, /readyz and /metrics need a key too
 
 
 class ModelConfig(_Section, kw_only=True):
@@ -194,9 +196,15 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
     client_endpoint: str
     models: list[ServedModel]
     max_body_bytes: int = 1 << 20
+    api_keys_file: str = ""  # absolute (resolved where `zserve up` runs)
+    auth_health: bool = False
+    probe_key: str = ""  # the supervisor's own key, accepted on the health routes only (its /readyz polls)
 
     @classmethod
-    def from_config(cls, config: Config, endpoints: Endpoints, staged: list[str]) -> FrontendSettings:
+    def from_config(
+        cls, config: Config, endpoints: Endpoints, staged: list[str], probe_key: str = ""
+    ) -> FrontendSettings:
+        f = config.frontends
         return cls(
             client_endpoint=endpoints.client,
             models=[
@@ -210,6 +218,9 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                 for m in config.models
             ],
             max_body_bytes=config.frontends.max_body_bytes,
+            api_keys_file=str(Path(f.api_keys_file).expanduser().resolve()) if f.api_keys_file else "",
+            auth_health=f.auth_health,
+            probe_key=probe_key,
         )
 
 
