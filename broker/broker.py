@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import signal
 import sys
@@ -56,6 +57,7 @@ class Broker:
         )
         self.codec = Codec()
         self.stopping = False
+        self.local_workers = endpoints.work.startswith("ipc://")  # workers of another host cannot be killed
         self.ctx = zmq.Context()
         self.client = make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True, mandatory=True)
         self.work = make_socket(self.ctx, zmq.ROUTER, endpoints.work, bind=True, mandatory=True)
@@ -142,7 +144,29 @@ class Broker:
                 self._drain(self.client, self.on_client)
             core.tick(time.monotonic())
             self.send_output()
+            for pid, name in core.take_kills():
+                self.kill_hung(pid, name)
         self.shutdown()
+
+    def kill_hung(self, pid: int, name: str) -> None:
+        """SIGKILL a hung worker of this host; its supervisor (zserve up, supervisord) starts a new one. The
+        pid is checked against the worker's name first: a pid that was reused belongs to someone else."""
+        if not self.local_workers:
+            log.error("hung worker %s (pid %d) is on another host: restart it there", name, pid)
+            return
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return  # gone already
+        if name.rsplit(":", 1)[0].encode() not in argv:
+            log.error("pid %d is not worker %s any more: not killed", pid, name)
+            return
+        log.warning("killing hung worker %s (pid %d)", name, pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def shutdown(self) -> None:
         self.core.shut_down()

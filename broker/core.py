@@ -12,6 +12,11 @@ here each sequence is a batch of one, admitted to the least-loaded engine with a
 credits are its ``max_running``). A cancel, a passed deadline or a client that is gone aborts the sequence
 in its engine at once.
 
+A worker that holds work but makes no progress (no result, no engine step) for its model's
+``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
+dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, and the
+shell is asked to kill it (``take_kills``) so that its supervisor starts a fresh one.
+
 Multi-item messages from workers are length-checked: items a worker did not account for (too few statuses,
 too few frames) are answered INTERNAL at once, never left to time out.
 """
@@ -26,7 +31,7 @@ from typing import Any
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
 from zserve.broker.stats import ModelStats
-from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, WorkerPool
+from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, Worker, WorkerPool
 from zserve.config import Config
 from zserve.protocol import (
     PROTOCOL_VERSION,
@@ -120,6 +125,9 @@ class BrokerCore:
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.stats = {m.name: ModelStats() for m in config.models}
+        self._batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}  # None: derived
+        self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
+        self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
         self.requests = RequestTable()
         self.draining_since: float | None = None
         self._last_heartbeat_s = float("-inf")
@@ -263,6 +271,9 @@ class BrokerCore:
         if msg.protocol != PROTOCOL_VERSION:
             log.error("worker %s speaks protocol %d, not %d: ignored", msg.worker, msg.protocol, PROTOCOL_VERSION)
             return
+        if identity in self._hung:
+            log.warning("worker %s was found hung: its Hello is ignored (it is being replaced)", msg.worker)
+            return
         unknown = [m for m in msg.models if m not in self.timeouts_s]
         if unknown:
             log.error("worker %s serves unknown models %s: ignored", msg.worker, unknown)
@@ -332,7 +343,8 @@ class BrokerCore:
             self.on_result(msg, frames, now)
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
-            if not self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks):
+            known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
+            if not known and worker_id not in self._hung:
                 self._to_worker(worker_id, Reset("unknown worker"))
         else:
             log.warning("unexpected %s on the out socket", type(msg).__name__)
@@ -347,9 +359,10 @@ class BrokerCore:
             log.info("dropped late result of batch %d from %s", msg.batch_id, msg.worker)
             return
         self._add_busy(batch.model, batch.role, msg.compute_ms)
+        self.pool.progressed(batch.worker_id, now)
         n = len(batch.item_ids)
         if batch.role == ENGINE:
-            self.stats[batch.model].batch_done(n)
+            self.stats[batch.model].batch_done(n, msg.compute_ms / 1000.0)
             if _accounts_for(n, len(frames), msg):
                 return self._answer_batch(batch, msg, frames, now)
         payload_frames = len(frames) - msg.prepared_frames if batch.role == PREPROCESS else len(frames)
@@ -422,7 +435,9 @@ class BrokerCore:
         worker = self.pool.workers.get(worker_id)
         if worker is not None and worker.models:
             self._add_busy(worker.models[0], ENGINE, msg.step_ms)
+            self.pool.progressed(worker_id, now)
             stats = self.stats[worker.models[0]]
+            stats.slowest_batch_s = max(stats.slowest_batch_s, msg.step_ms / 1000.0 / max(1, msg.steps))
             stats.engine_steps += msg.steps
             stats.batch_tokens += msg.batch_tokens
             worker.preemptions = msg.preemptions
@@ -484,12 +499,41 @@ class BrokerCore:
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
+        for worker in self.pool.hung(now, {m: self.batch_timeout_s(m) for m in self.timeouts_s}):
+            self._hang(worker, now)
         if now - self._last_heartbeat_s >= self.interval_s:
             self._last_heartbeat_s = now
             beat = Heartbeat("broker")
             for worker_id in self.pool.workers:
                 self._to_worker(worker_id, beat)
         self.dispatch(now)
+
+    def batch_timeout_s(self, model: str) -> float:
+        """How long a worker of ``model`` may hold work without progress before it counts as hung."""
+        configured = self._batch_timeouts_s[model]
+        if configured is not None:
+            return configured
+        return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
+
+    def _hang(self, worker: Worker, now: float) -> None:
+        model = worker.models[0]
+        stuck_s = now - worker.progress_s
+        log.error(
+            "worker %s (pid %d) is hung: no progress for %.1fs (batch_timeout_s %.1f); re-dispatching its "
+            "%d batches and replacing it", worker.name, worker.pid, stuck_s, self.batch_timeout_s(model),
+            len(worker.in_flight),
+        )  # fmt: skip
+        self.stats[model].workers_hung += 1
+        self._hung[worker.worker_id] = None
+        if len(self._hung) > 1024:
+            del self._hung[next(iter(self._hung))]
+        self._kills.append((worker.pid, worker.name))
+        self._fail_batches(self.pool.remove(worker.worker_id), f"worker {worker.name} hung")
+
+    def take_kills(self) -> list[tuple[int, str]]:
+        """Hung workers to kill: (pid, the name it registered with)."""
+        kills, self._kills = self._kills, []
+        return kills
 
     def dispatch(self, now: float) -> None:
         for d in self.scheduler.pop_batches(now):
@@ -587,6 +631,7 @@ class BrokerCore:
             latency_p50_ms=p50,
             latency_p90_ms=p90,
             latency_p99_ms=p99,
+            workers_hung=stats.workers_hung,
         )
 
     def start_draining(self, now: float) -> None:

@@ -31,6 +31,7 @@ class Worker:
     last_seen_s: float
     last_dispatch_s: float = 0.0
     busy: bool = False  # from its last heartbeat: inside predict right now
+    progress_s: float = 0.0  # its last result or engine step, or when it got work while idle
     free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
     kv_blocks: int = 0  # generative engines: the pool's size (Hello)
     # generative engines' counters since they started, from their last StepOutput
@@ -109,6 +110,8 @@ class WorkerPool:
         if worker.free_credits <= 0:
             raise RuntimeError(f"worker {worker.name} has no credit")
         batch = InFlightBatch(batch_id, model, item_ids, worker.worker_id, now, worker.role)
+        if not worker.in_flight:
+            worker.progress_s = now  # idle until now: the hang clock starts with this batch
         worker.in_flight[batch_id] = batch
         worker.last_dispatch_s = now
         self._batches[batch_id] = batch
@@ -122,6 +125,15 @@ class WorkerPool:
             if worker is not None:
                 worker.in_flight.pop(batch_id, None)
         return batch
+
+    def progressed(self, worker_id: bytes, now: float) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.progress_s = now
+
+    def hung(self, now: float, timeout_s: dict[str, float]) -> list[Worker]:
+        """Workers that hold work but made no progress for their model's ``timeout_s``."""
+        return [w for w in self.workers.values() if w.in_flight and now - w.progress_s > timeout_s[w.models[0]]]
 
     def expire(self, now: float) -> list[tuple[Worker, list[InFlightBatch]]]:
         """Remove workers silent for longer than ``liveness_s``; return them with the batches they held."""

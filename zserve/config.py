@@ -74,6 +74,10 @@ class ModelConfig(_Section, kw_only=True):
     max_queue: PositiveInt = 1024
     timeout_ms: PositiveInt = 30_000
     credits: PositiveInt = 2  # batches an engine may hold at once (2 = one running, one staged)
+    # A worker holding work that makes no progress (no result, no engine step) for this long is hung: its
+    # batches are re-dispatched and it is killed (the supervisor restarts it). None = derived: the larger
+    # of timeout_ms and 10x the slowest recent batch of the model (see README).
+    batch_timeout_s: PositiveFloat | None = None
     threads: PositiveInt = 1  # torch intra-op threads per engine
     devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
     options: dict[str, Any] = {}  # passed to the handler's constructor

@@ -132,6 +132,7 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     latency_p50_ms: float = 0.0  # arrival at the broker to the answer, over recent answered requests
     latency_p90_ms: float = 0.0
     latency_p99_ms: float = 0.0
+    workers_hung: int = 0  # workers found hung (no progress past batch_timeout_s) and killed, since start
 
 
 class HealthReport(Msg, tag=5):

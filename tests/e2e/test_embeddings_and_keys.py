@@ -153,7 +153,7 @@ def test_health_routes_are_open_by_default(deployment):
 
 
 def _gunicorn_workers(d: Deployment) -> list[int]:
-    [master] = [p for p in d.descendants() if p.ppid() == d.proc.pid and "gunicorn" in " ".join(p.cmdline())]
+    [master] = [p for p in d.descendants() if p.ppid() == d.proc.pid and p.cmdline()[1:3] == ["-m", "gunicorn"]]
     return [p.pid for p in master.children()]
 
 

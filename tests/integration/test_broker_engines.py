@@ -216,3 +216,42 @@ def test_streaming_a_batch_model_is_a_clear_error(cluster_factory):
     with pytest.raises(zserve.BadRequest, match="not generative"):
         list(client.generate_stream("x", model="slow"))
     assert client.predict("slow", {"still": "served"})["echo"] == {"still": "served"}
+
+
+HANGS = """
+[broker]
+heartbeat_interval_ms = 100
+
+[[models]]
+name = "hangs"
+handler = "testmodels:Hangs"
+engines = 3
+max_batch_size = 1
+credits = 1
+batch_timeout_s = 1.0
+[models.options]
+delay_s = 0.02
+"""
+
+
+def test_a_hung_engine_is_found_killed_and_its_batch_redispatched_once(cluster_factory):
+    c = cluster_factory(HANGS)
+    c.start_broker()
+    engines = [c.start_engine("hangs", i) for i in range(3)]
+    c.wait_ready({"hangs": 3})
+    client = c.client()
+    hung = client.submit("hangs", "hang")
+    time.sleep(0.1)  # "hang" reaches an engine first
+    normal = [client.submit("hangs", i) for i in range(30)]
+    with pytest.raises(zserve.EngineLost, match="hung; gave up after 2 attempts"):
+        hung.result(timeout=30)  # its engine, then the one it was re-dispatched to, both hung
+    assert [f.result(timeout=30)["echo"] for f in normal] == list(range(30))  # nothing waits behind them
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sum(e.poll() is not None for e in engines) < 2:
+        time.sleep(0.05)
+    killed = [e for e in engines if e.poll() is not None]
+    assert len(killed) == 2 and all(e.returncode == -signal.SIGKILL for e in killed)
+    report = client.health()
+    [m] = report.models
+    assert m.workers_hung == 2 and m.ready_workers == 1
+    assert "is hung: no progress" in c.log("broker")
