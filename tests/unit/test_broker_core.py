@@ -450,3 +450,33 @@ def test_a_resubmitted_request_that_is_still_pending_is_answered_once():
     [b] = batches(work)
     core.on_out(*result(b.header, b"w"), now=0.01)
     assert [r.req_id for r, _ in replies(core.flush()[0], b"a")] == [1]
+
+
+def test_a_worker_without_progress_past_batch_timeout_is_hung_killed_and_ignored():
+    core = make()
+    core.config.models[0].batch_timeout_s = None
+    assert core.batch_timeout_s("m") == 5.0  # derived: timeout_ms, until batches are measured
+    core._batch_timeouts_s["m"] = 2.0
+    hello(core, b"w1:11", credits=2)
+    submit(core, b"a", [1])
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    for t in (0.4, 0.8, 1.2, 1.6, 2.0):  # its heartbeat thread lives on: only the lack of progress tells
+        core.on_out(Heartbeat("w1:11"), [], now=t)
+        core.tick(t)
+    assert core.take_kills() == [] and b"w1:11" in core.pool.workers
+    hello(core, b"w2:12", credits=2, now=2.0)
+    core.on_out(Heartbeat("w1:11"), [], now=2.1)
+    core.tick(2.1)
+    assert core.take_kills() == [(1, "w1:11")] and b"w1:11" not in core.pool.workers
+    _, work = core.flush()
+    [again] = batches(work)
+    assert again.worker_id == b"w2:12" and again.header.item_ids == b.header.item_ids
+    core.on_out(Heartbeat("w1:11"), [], now=2.2)  # no Reset: it must not register again
+    core.on_work(b"w1:11", Hello("w1:11", 1, "engine", ["m"], 2), 2.2)
+    core.tick(2.2)
+    assert b"w1:11" not in core.pool.workers and not any(isinstance(w.header, Reset) for w in core.flush()[1])
+    assert {m.name: m for m in core.health(0).models}["m"].workers_hung == 1
+    core.on_out(*result(again.header, b"w2:12"), now=2.3)
+    [(r, _)] = replies(core.flush()[0], b"a")
+    assert r.status == OK
