@@ -89,6 +89,13 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     generative: bool = False
     running_sequences: int = 0  # generative: sequences held by engines (running or waiting for KV blocks)
     free_kv_blocks: int = 0  # generative: free KV blocks over all engines, from their last report
+    # generative, over all engines (the counters: since each engine started, the sum of their last reports)
+    kv_blocks: int = 0  # the KV pools' size, in blocks (from Hello): usage = 1 - free_kv_blocks / kv_blocks
+    engine_steps: int = 0  # engine steps run (mean step time = engine_busy_s / engine_steps)
+    batch_tokens: int = 0  # tokens forwarded in those steps (mean batch = batch_tokens / engine_steps)
+    preemptions: int = 0  # sequences preempted for KV blocks (recomputed later)
+    prompt_tokens: int = 0  # prompt tokens admitted to engines (a recomputed sequence counts again)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (hit rate = cached / prompt)
 
 
 class HealthReport(Msg, tag=5):
@@ -185,6 +192,12 @@ class StepOutput(Msg, tag=27):
     free_kv_blocks: int = -1
     step_ms: float = 0.0  # compute time of the step(s) this message reports
     fields: list[str] = []  # per entry: the offending input field of a BAD_REQUEST
+    steps: int = 0  # engine steps this message reports (several when the output thread fell behind)
+    batch_tokens: int = 0  # tokens forwarded in those steps
+    # the engine's counters since it started (cumulative: the broker keeps each engine's last values)
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (a recomputed sequence counts again)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (not computed)
 
 
 Message = (
