@@ -61,7 +61,8 @@ def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num
     steps = 0
     while pending or engine.has_work():
         if pending and steps % 2 == 0:  # a new request every other step: they join a running batch
-            ids.append(engine.add(pending.pop(0), SamplingParams(max_new_tokens=n_new)))
+            ids.append(100 + len(ids))  # the caller's ids
+            engine.add(ids[-1], pending.pop(0), SamplingParams(max_new_tokens=n_new))
         for out in engine.step():
             produced.setdefault(out.seq_id, []).append(out.token_id)
         steps += 1
@@ -76,8 +77,11 @@ def test_abort_frees_blocks_and_stop_tokens_end_a_sequence(reference):
     engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [p1, p2] = prompts(2, seed=5)
     greedy = expected(reference, p2, 6)
-    a = engine.add(p1, SamplingParams(max_new_tokens=50))
-    b = engine.add(p2, SamplingParams(max_new_tokens=50, stop_token_ids=(greedy[3],)))
+    a, b = 7, 3
+    engine.add(a, p1, SamplingParams(max_new_tokens=50))
+    engine.add(b, p2, SamplingParams(max_new_tokens=50, stop_token_ids=(greedy[3],)))
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add(a, p2)
     finished = {}
     for _ in range(3):
         engine.step()
@@ -96,7 +100,8 @@ def test_seeded_sampling_is_reproducible(reference):
     runs = []
     for _ in range(2):
         engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
-        seq_id = engine.add(prompts(1)[0], params)
+        seq_id = 0
+        engine.add(seq_id, prompts(1)[0], params)
         tokens = []
         while engine.has_work():
             tokens += [o.token_id for o in engine.step() if o.seq_id == seq_id]
@@ -128,7 +133,9 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
     model = _tiny(family).eval()
     engine = EngineCore(copy.deepcopy(model), num_blocks=128, block_size=8, max_batched_tokens=48)
     batch = prompts(6, seed=3)
-    ids = [engine.add(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in batch]
+    ids = list(range(len(batch)))
+    for i, p in zip(ids, batch, strict=True):
+        engine.add(i, p, SamplingParams(max_new_tokens=8, ignore_eos=True))
     produced: dict[int, list[int]] = {}
     while engine.has_work():
         for out in engine.step():
@@ -140,7 +147,8 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
 def test_a_tiny_temperature_is_greedy_not_a_crash(reference):
     engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [prompt] = prompts(1, seed=9)
-    seq = engine.add(prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
+    seq = 1
+    engine.add(seq, prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
     out = []
     while engine.has_work():
         out += [o.token_id for o in engine.step() if o.seq_id == seq]
