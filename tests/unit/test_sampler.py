@@ -1,6 +1,6 @@
-"""The batched sampler: greedy rows are argmax, sampled rows follow temperature/top-k/top-p exactly (against
-a plain full-sort reference with the same uniform numbers), and a seeded row draws the same token whatever
-else is in the batch."""
+"""The batched sampler: greedy rows are argmax, sampled rows follow temperature/top-k exactly (against a
+plain full-sort reference with the same uniform numbers) and top-p draws only from the nucleus with its
+renormalised probabilities, and a seeded row draws the same token whatever else is in the batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from zserve.stages.generate.sampler import Sampler, seeded_uniform
+from zserve.stages.generate.sampler import _DRAWS, Sampler, seeded_uniform
 from zserve.stages.generate.sequence import SamplingParams, Sequence
 
 
@@ -19,8 +19,15 @@ def seq(params: SamplingParams, generated: int = 0, seq_id: int = 0) -> Sequence
     return s
 
 
+def nucleus(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens top-p keeps (by a full sort)."""
+    probs, ids = torch.sort(torch.softmax(logits.double() / p.temperature, -1), descending=True)
+    return set(ids[(probs.cumsum(-1) - probs) <= p.top_p].tolist())
+
+
 def reference(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
-    """One row the slow, obvious way: full sort, top-k, renormalise, top-p, inverse CDF."""
+    """One row the slow, obvious way: full sort, top-k, renormalise, top-p, inverse CDF (over the sorted
+    tokens; in vocabulary order without a filter)."""
     x = logits.double() / p.temperature
     values, ids = torch.sort(x, descending=True)
     if p.top_k:
@@ -29,7 +36,11 @@ def reference(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
     probs = torch.softmax(values, -1)
     cumulative = probs.cumsum(-1)
     keep = cumulative - probs <= p.top_p
-    probs, ids = probs[keep], ids[keep]
+    if not p.top_k and p.top_p >= 1:  # no filter: drawn in vocabulary order
+        ids = ids.sort().values
+        probs = torch.softmax(x, -1)[ids]
+    else:
+        probs, ids = probs[keep], ids[keep]
     cdf = probs.cumsum(-1)
     return int(ids[min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(ids) - 1)])
 
@@ -49,8 +60,11 @@ def test_sampled_rows_match_a_full_sort_reference(vocab):
     for generated in range(20):
         rows = [seq(p, generated, i) for i, p in enumerate(cases)]
         got = sampler.sample(logits.clone(), rows)
-        want = [reference(logits[i], p, seeded_uniform(p.seed, generated)) for i, p in enumerate(cases)]
-        assert got == want
+        for i, p in enumerate(cases):
+            if p.top_p < 1 and not p.top_k:  # by rejection: whatever it draws is in the nucleus
+                assert got[i] in nucleus(logits[i], p)
+            else:
+                assert got[i] == reference(logits[i], p, seeded_uniform(p.seed, generated * _DRAWS))
 
 
 def test_greedy_rows_and_the_degenerate_filters_are_argmax():
@@ -100,6 +114,7 @@ def test_unseeded_draws_follow_the_distribution_and_filters_hold():
     assert all(abs(f - p) < 0.04 for f, p in zip(freq, [0.4, 0.3, 0.2, 0.1], strict=True)), freq
     top_p = sampler.sample(logits.repeat(n, 1), [seq(SamplingParams(temperature=1.0, top_p=0.5)) for _ in range(n)])
     assert set(top_p) == {0, 1}  # 0.4 < 0.5, so the token that crosses it (0.3) stays, nothing after
+    assert abs(top_p.count(0) / n - 0.4 / 0.7) < 0.04  # renormalised over the nucleus
     top_k = sampler.sample(logits.repeat(n, 1), [seq(SamplingParams(temperature=1.0, top_k=3)) for _ in range(n)])
     assert set(top_k) == {0, 1, 2}
 
