@@ -79,7 +79,7 @@ def format_table(rows: list[GenRow]) -> str:
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, cells)]).rstrip()
 
 
-def write_plot(path: Path, rows: list[GenRow]) -> bool:
+def write_plot(path: Path, rows: list[GenRow], legs: tuple[str, ...] = LEGS) -> bool:
     """Output tok/s and p99 TTFT against concurrency, one line per leg. False (quietly) without matplotlib."""
     try:
         import matplotlib
@@ -89,7 +89,7 @@ def write_plot(path: Path, rows: list[GenRow]) -> bool:
     except ImportError:
         return False
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for leg in LEGS:
+    for leg in legs:
         mine = sorted((r for r in rows if r.leg == leg), key=lambda r: r.concurrency)
         if mine:
             conc = [r.concurrency for r in mine]

@@ -70,10 +70,49 @@ class BrokerCollector:
         free_kv = GaugeMetricFamily(
             "zserve_free_kv_blocks", "Generative models: free KV blocks over all engines", labels=["model"]
         )
+        kv_usage = GaugeMetricFamily(
+            "zserve_kv_cache_usage", "Generative models: fraction of the KV pools in use (0-1)", labels=["model"]
+        )
+        steps = CounterMetricFamily("zserve_engine_steps", "Generative models: engine steps run", labels=["model"])
+        batch_tokens = CounterMetricFamily(
+            "zserve_engine_batch_tokens",
+            "Generative models: tokens forwarded in engine steps (mean batch = this / zserve_engine_steps_total)",
+            labels=["model"],
+        )
+        preemptions = CounterMetricFamily(
+            "zserve_preemptions", "Generative models: sequences preempted for KV blocks (recomputed)", labels=["model"]
+        )
+        prompt_tokens = CounterMetricFamily(
+            "zserve_prompt_tokens", "Generative models: prompt tokens admitted to engines", labels=["model"]
+        )
+        cached_tokens = CounterMetricFamily(
+            "zserve_prefix_cache_hit_tokens",
+            "Generative models: prompt tokens found in the prefix cache",
+            labels=["model"],
+        )
+        hit_rate = GaugeMetricFamily(
+            "zserve_prefix_cache_hit_rate",
+            "Generative models: prefix cache hit tokens / prompt tokens",
+            labels=["model"],
+        )
+        step_s = GaugeMetricFamily(
+            "zserve_engine_step_seconds_mean", "Generative models: mean engine step time", labels=["model"]
+        )
+        generative = (kv_usage, steps, batch_tokens, preemptions, prompt_tokens, cached_tokens, hit_rate, step_s)
         for m in self.report.models:
             if m.generative:
                 running.add_metric([m.name], m.running_sequences)
                 free_kv.add_metric([m.name], m.free_kv_blocks)
+                if m.kv_blocks:
+                    kv_usage.add_metric([m.name], 1.0 - m.free_kv_blocks / m.kv_blocks)
+                steps.add_metric([m.name], m.engine_steps)
+                batch_tokens.add_metric([m.name], m.batch_tokens)
+                preemptions.add_metric([m.name], m.preemptions)
+                prompt_tokens.add_metric([m.name], m.prompt_tokens)
+                cached_tokens.add_metric([m.name], m.cached_prompt_tokens)
+                hit_rate.add_metric([m.name], m.cached_prompt_tokens / m.prompt_tokens if m.prompt_tokens else 0.0)
+                if m.engine_steps:
+                    step_s.add_metric([m.name], m.engine_busy_s / m.engine_steps)
             depth.add_metric([m.name], m.queue_depth)
             in_flight.add_metric([m.name], m.in_flight)
             ready.add_metric([m.name], m.ready_workers)
@@ -86,7 +125,7 @@ class BrokerCollector:
                 workers.add_metric([m.name, "preprocess"], m.preprocess_workers)
             else:
                 waiting.add_metric([m.name, "engine"], m.queue_depth)
-        yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv)
+        yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv, *generative)
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -1,52 +1,72 @@
 """Attention over the paged KV cache, plugged into unchanged Hugging Face model code through transformers'
-attention interface. Each step is one packed forward pass (all sequences' new tokens in one row); this
-function writes the new K/V into the cache at their slots, then attends each sequence to its own KV only:
-decodes as one batched, padded gather; prefill chunks one by one, causal with their offset. Cost is linear
-in the total KV, not quadratic in the batch. This is the torch (CPU and fallback) backend; a GPU backend
-(flash-attn / FlashInfer with block tables) would take the same StepMeta.
+attention interface. Each step is one packed forward pass (all sequences' new tokens in one row).
+
+``StepMeta`` describes a step the way paged-attention kernels take it (vLLM's / FlashInfer's layout): the
+cache slot of every new token (``slot_mapping``), row offsets per sequence (``query_start``, i.e.
+cu_seqlens_q), KV lengths (``context_lens``), and a block table per sequence (``block_tables``), decodes
+first. The cache tensors are ``[num_blocks * block_size, kv_heads, head_dim]`` per layer, the contiguous
+view of flash-attn's paged ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+The torch backend (CPU, and the fallback on GPUs without a paged kernel) writes the new K/V at their slots,
+then attends each sequence to its own KV only: decodes one SDPA call each (CPU) or as one padded batch
+(GPU), prefill chunks one by one, causal with their offset. Cost is linear in the total KV, not quadratic
+in the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(slots=True)
 class StepMeta:
-    write_slots: torch.Tensor  # [T] cache slot of every token in the packed row
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row start, row end, KV slots, mask)
-    decode_rows: list[int] = field(default_factory=list)  # rows of single-token decodes
-    decode_lengths: list[int] = field(default_factory=list)  # each decode's KV length
-    decode_slots: torch.Tensor | None = None  # [sum of lengths] every decode's KV slots, back to back
-    # Off the CPU: the decodes as one padded batch (one kernel, not one per sequence), see ``to``
-    decode_padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows [B], slots [B, L], mask
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of every token of the packed row
+    query_start: list[int]  # [N + 1] where each sequence's tokens start in the row
+    context_lens: list[int]  # [N] each sequence's KV length after this step
+    num_decodes: int  # sequences [0, num_decodes) are one-token decodes
+    tables: list[torch.Tensor]  # [N] each sequence's block table (int32, its blocks so far)
+    slot_rows: list[torch.Tensor]  # [N] each sequence's KV slots (int64, context_lens[i] long)
 
-    def to(self, device: torch.device, batched_decode: bool) -> StepMeta:
-        """The same metadata on ``device`` (built on the CPU, where the Python bookkeeping is); with
-        ``batched_decode`` the decodes attend as one padded batch (what a GPU wants)."""
-        if device.type == "cpu" and not batched_decode:
-            return self
+    def block_tables(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N, max blocks] int32, padded with 0: what a paged kernel's ``block_table`` argument takes."""
+        return torch.nn.utils.rnn.pad_sequence(self.tables, batch_first=True).to(device, non_blocking=True)
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+    def for_torch(self, device: torch.device, batched_decode: bool) -> TorchStep:
+        """The torch backend's inputs on ``device`` (built once per step, used by every layer)."""
 
-        prefills = [(a, b, move(slots), move(mask)) for a, b, slots, mask in self.prefills]
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+        d = self.num_decodes
+        decode_rows = self.query_start[:d]
         padded = None
-        if self.decode_rows and batched_decode:
-            longest = max(self.decode_lengths)
-            slots = torch.zeros(len(self.decode_rows), longest, dtype=torch.long)
-            mask = torch.zeros(len(self.decode_rows), 1, 1, longest, dtype=torch.bool)
-            offset = 0
-            for i, length in enumerate(self.decode_lengths):
-                slots[i, :length] = self.decode_slots[offset : offset + length]
-                mask[i, 0, 0, :length] = True
-                offset += length
-            padded = (move(torch.tensor(self.decode_rows)), move(slots), move(mask))
-        slots = None if padded else move(self.decode_slots)
-        return StepMeta(move(self.write_slots), prefills, self.decode_rows, self.decode_lengths, slots, padded)
+        if d and batched_decode:
+            slots = torch.nn.utils.rnn.pad_sequence(self.slot_rows[:d], batch_first=True)
+            lengths = torch.tensor(self.context_lens[:d])
+            mask = (torch.arange(slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).view(d, 1, 1, -1)
+            padded = (move(torch.tensor(decode_rows)), move(slots), move(mask))
+        prefills = []
+        for i in range(d, len(self.context_lens)):
+            start, end, length = self.query_start[i], self.query_start[i + 1], self.context_lens[i]
+            n = end - start
+            mask = None
+            if n < length:  # a later chunk of a prompt sees everything before it, and itself causally
+                mask = move(torch.arange(length).unsqueeze(0) <= torch.arange(length - n, length).unsqueeze(1))
+            prefills.append((start, end, move(self.slot_rows[i]), mask))
+        decodes = [] if padded else [(r, move(s)) for r, s in zip(decode_rows, self.slot_rows[:d], strict=True)]
+        return TorchStep(move(self.slot_mapping), decodes, padded, prefills)
+
+
+@dataclass(slots=True)
+class TorchStep:
+    write_slots: torch.Tensor  # [T]
+    decodes: list[tuple[int, torch.Tensor]]  # (row, KV slots), one SDPA call each
+    decode_padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [B], slots [B, L], mask
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row start, row end, KV slots, mask)
 
 
 class PagedKVCache:
@@ -65,32 +85,29 @@ class PagedKVCache:
 
     def attention(self, module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The transformers attention-interface signature; q/k/v are [1, heads, T, head_dim]."""
-        meta: StepMeta = kwargs["zserve_meta"]
+        step: TorchStep = kwargs["zserve_meta"]
         kc, vc = self.k[module.layer_idx], self.v[module.layer_idx]
-        kc[meta.write_slots] = k[0].transpose(0, 1)
-        vc[meta.write_slots] = v[0].transpose(0, 1)
+        kc[step.write_slots] = k[0].transpose(0, 1)
+        vc[step.write_slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)
-        if meta.decode_padded is not None:
-            rows, slots, mask = meta.decode_padded
+        if step.decode_padded is not None:
+            rows, slots, mask = step.decode_padded
             keys = kc[slots].permute(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
             values = vc[slots].permute(0, 2, 1, 3)
             queries = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
             out[0, :, rows] = o.squeeze(2).transpose(0, 1)
-        elif meta.decode_rows:
-            # On a CPU, one unmasked call per sequence over its own KV beats one padded, masked batch by
-            # ~2.6x at 32 sequences of mixed length (the mask forces SDPA's slow path; padding costs too).
-            keys = kc[meta.decode_slots]  # [sum L, Hkv, D], one gather for every decode
-            values = vc[meta.decode_slots]
-            offset = 0
-            for row, length in zip(meta.decode_rows, meta.decode_lengths, strict=True):
-                k_seq = keys[offset : offset + length].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-                v_seq = values[offset : offset + length].transpose(0, 1).unsqueeze(0)
-                out[:, :, row : row + 1] = F.scaled_dot_product_attention(
-                    q[:, :, row : row + 1], k_seq, v_seq, scale=scaling, enable_gqa=True
-                )
-                offset += length
-        for start, end, slots, mask in meta.prefills:
+        # On a CPU, one unmasked call per sequence over its own KV beats one padded, masked batch (measured:
+        # see bench/gen_attention.py); the mask forces SDPA's slow path and the padding costs too.
+        for row, slots in step.decodes:
+            out[:, :, row : row + 1] = F.scaled_dot_product_attention(
+                q[:, :, row : row + 1],
+                kc[slots].transpose(0, 1).unsqueeze(0),
+                vc[slots].transpose(0, 1).unsqueeze(0),
+                scale=scaling,
+                enable_gqa=True,
+            )
+        for start, end, slots, mask in step.prefills:
             keys = kc[slots].transpose(0, 1).unsqueeze(0)
             values = vc[slots].transpose(0, 1).unsqueeze(0)
             out[:, :, start:end] = F.scaled_dot_product_attention(

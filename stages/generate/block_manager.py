@@ -1,24 +1,27 @@
 """The paged KV cache's bookkeeping: fixed-size blocks from a preallocated pool, a block table per sequence,
-and prefix sharing (full blocks with identical token prefixes are computed once and shared by reference
+and prefix caching (full blocks whose token prefix is identical are computed once and shared by reference
 count). Pure: no tensors; the cache tensors are indexed by the block ids this hands out.
 
 A sequence grows block by block. When the pool cannot serve a step, the caller preempts (``free``) the
-youngest sequence and recomputes it later; ``can_allocate``/``can_append`` say in advance, so the pool never
-over-commits and nothing runs out of memory mid-step.
+youngest sequence and recomputes it later; ``blocks_to_take`` says in advance what an admission costs, so
+the pool never over-commits and nothing runs out of memory mid-step.
 
-Caveat for the step loop that will use this (generative-engine issue, not built yet): a prompt's full
-blocks are hashed when allocated, before their KV is computed; a sequence that shares one must not run
-before the owner's prefill of that block has (with chunked prefill, schedule sharers after the owner).
+Prefix caching: every full block is known by the hash of all tokens up to its end (a chain, so a block
+matches only after an identical prefix). A block's KV exists once ``mark_computed`` says so; ``match``
+tells a waiting prompt how many leading blocks it can share now and whether more are being computed by
+another sequence (then it should wait for them: sharing a block before its owner's prefill wrote it would
+read garbage). Free blocks keep their hash and KV until handed out again, least recently freed first.
+Every operation is O(1) per block it touches.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
 class BlockPoolExhausted(RuntimeError):
-    """A sequence needed a block and none was free (the caller should have asked ``can_*`` first)."""
+    """A sequence needed a block and none was free (the caller should have asked first)."""
 
 
 @dataclass(slots=True)
@@ -26,6 +29,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     prefix_hash: int | None = None  # set once the block is full: hash of every token up to its end
+    computed: bool = False  # its KV is in the cache (shareable)
 
 
 @dataclass(slots=True)
@@ -36,6 +40,9 @@ class SeqBlocks:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV was found in shared prefix blocks
+    hashes: list[int] = field(default_factory=list)  # prefix hash of each full block of token_ids, so far
+    num_computed_blocks: int = 0  # leading blocks marked computed by this sequence
+    num_synced: int = 0  # leading blocks the engine has copied into its slot tables (reset by free)
 
 
 class BlockManager:
@@ -45,7 +52,7 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
         self.by_hash: dict[int, int] = {}  # prefix hash -> block id (may be free: reusable until overwritten)
 
     @property
@@ -55,61 +62,90 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hashes(self, token_ids: list[int]) -> list[int]:
-        hashes, h = [], 0
-        for start in range(0, len(token_ids) - len(token_ids) % self.block_size, self.block_size):
-            h = hash((h, tuple(token_ids[start : start + self.block_size])))
+    def _hashes(self, seq: SeqBlocks) -> list[int]:
+        """The prefix hashes of the sequence's full blocks, extended for the blocks filled since last time."""
+        bs, tokens, hashes = self.block_size, seq.token_ids, seq.hashes
+        h = hashes[-1] if hashes else 0
+        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
+            h = hash((h, tuple(tokens[start : start + bs])))
             hashes.append(h)
         return hashes
+
+    def _shareable(self, seq: SeqBlocks) -> list[int]:
+        # never the block holding the prompt's last token: that token is computed to sample the first output
+        return self._hashes(seq)[: (len(seq.token_ids) - 1) // self.block_size] if self.prefix_caching else []
+
+    def match(self, seq: SeqBlocks) -> tuple[int, bool]:
+        """(leading blocks of ``seq`` whose KV is cached now, whether the next one is being computed by a
+        running sequence: wait for it rather than compute it twice)."""
+        ready = 0
+        for h in self._shareable(seq):
+            block_id = self.by_hash.get(h)
+            if block_id is None:
+                return ready, False
+            block = self.blocks[block_id]
+            if not block.computed:
+                return ready, block.ref_count > 0
+            ready += 1
+        return ready, False
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_free
+
+    def blocks_to_take(self, seq: SeqBlocks, num_tokens: int) -> int:
+        """Free blocks that allocating ``num_tokens`` of ``seq`` would use (shared live blocks cost none)."""
+        ready, _ = self.match(seq)
+        hashes = seq.hashes
+        live = sum(1 for h in hashes[:ready] if self.blocks[self.by_hash[h]].ref_count > 0)
+        return self.blocks_needed(num_tokens) - live
 
     def _take(self, block_id: int | None = None) -> int:
         if block_id is None:
             if not self.free_ids:
                 raise BlockPoolExhausted("no free KV block")
-            block_id = self.free_ids.popleft()
+            block_id, _ = self.free_ids.popitem(last=False)
+            self._seal(block_id, None)  # fresh: its old content is about to be overwritten
+            self.blocks[block_id].computed = False
         else:
-            self.free_ids.remove(block_id)  # a free block found by its prefix hash: reuse its KV
+            del self.free_ids[block_id]  # a free block found by its prefix hash: reuse its KV
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= self.num_free
-
-    def allocate(self, seq: SeqBlocks) -> None:
-        """Blocks for the whole prompt, sharing every full block whose prefix is cached."""
+    def allocate(self, seq: SeqBlocks) -> int:
+        """Blocks for every token of ``seq``, sharing the leading full blocks whose KV is cached. Returns the
+        number of tokens found cached (``seq.num_cached_tokens``): their KV need not be computed."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        hashes = self._prefix_hashes(seq.token_ids) if self.prefix_caching else []
         needed = self.blocks_needed(len(seq.token_ids))
-        shared = 0
-        for h in hashes:
-            block_id = self.by_hash.get(h)
-            if block_id is None:
-                break
-            shared += 1
-        if needed - sum(1 for h in hashes[:shared] if self.blocks[self.by_hash[h]].ref_count > 0) > self.num_free:
+        if self.blocks_to_take(seq, len(seq.token_ids)) > self.num_free:
             raise BlockPoolExhausted(f"sequence {seq.seq_id} needs {needed} blocks, {self.num_free} free")
+        ready, _ = self.match(seq)
         for i in range(needed):
-            if i < shared:
-                block_id = self.by_hash[hashes[i]]
+            if i < ready:
+                block_id = self.by_hash[seq.hashes[i]]
                 block = self.blocks[block_id]
                 if block.ref_count > 0:
                     block.ref_count += 1
                 else:
                     self._take(block_id)
-                seq.num_cached_tokens += self.block_size
             else:
                 block_id = self._take()
-                self._seal(block_id, hashes[i] if i < len(hashes) else None)
+                if i < len(seq.hashes):
+                    self._seal(block_id, seq.hashes[i])
             seq.block_table.append(block_id)
+        seq.num_cached_tokens = ready * self.block_size
+        seq.num_computed_blocks = ready
+        return seq.num_cached_tokens
 
     def _seal(self, block_id: int, prefix_hash: int | None) -> None:
         """Record (or clear) the prefix hash of a block just filled (or just handed out)."""
         block = self.blocks[block_id]
         if block.prefix_hash is not None and self.by_hash.get(block.prefix_hash) == block_id:
-            del self.by_hash[block.prefix_hash]  # its old content is being overwritten
+            del self.by_hash[block.prefix_hash]
         block.prefix_hash = prefix_hash
-        if prefix_hash is not None and self.prefix_caching:
+        # the first block known by a hash keeps it: a duplicate (computed by a sharer that could not wait)
+        # must not hide a block whose KV already exists
+        if prefix_hash is not None and self.prefix_caching and prefix_hash not in self.by_hash:
             self.by_hash[prefix_hash] = block_id
 
     def can_append(self, seq: SeqBlocks) -> bool:
@@ -119,22 +155,31 @@ class BlockManager:
     def append(self, seq: SeqBlocks, token_id: int) -> None:
         """Add a generated token; take a new block when the last one is full, seal blocks that fill up."""
         if len(seq.token_ids) == len(seq.block_table) * self.block_size:
-            block_id = self._take()
-            self._seal(block_id, None)
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._take())
         seq.token_ids.append(token_id)
         if self.prefix_caching and len(seq.token_ids) % self.block_size == 0:
-            self._seal(seq.block_table[-1], self._prefix_hashes(seq.token_ids)[-1])
+            self._seal(seq.block_table[-1], self._hashes(seq)[-1])
+
+    def mark_computed(self, seq: SeqBlocks, num_tokens: int) -> None:
+        """The KV of the first ``num_tokens`` of ``seq`` is in the cache: its full blocks become shareable."""
+        full = min(num_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_computed_blocks, full):
+            self.blocks[seq.block_table[i]].computed = True
+        seq.num_computed_blocks = max(seq.num_computed_blocks, full)
 
     def free(self, seq: SeqBlocks) -> None:
-        """Release the sequence's blocks (finished, aborted or preempted). Full blocks keep their prefix
-        hash while free, so a later prompt with the same prefix can take them back without recomputing."""
+        """Release the sequence's blocks (finished, aborted or preempted). Computed full blocks keep their
+        prefix hash while free, so a later prompt with the same prefix takes them back without computing."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block_id} by sequence {seq.seq_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_ids.append(block_id)
+                if not block.computed:
+                    self._seal(block_id, None)  # announced but never written: nobody may wait for it
+                self.free_ids[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+        seq.num_computed_blocks = 0
+        seq.num_synced = 0

@@ -1,8 +1,11 @@
-"""The generative engine core: add requests, call ``step()``; each step runs one packed forward pass over
-every scheduled sequence and returns the tokens it produced. No sockets: the engine process shell
-(``runner.py``) and ``CausalLM.generate`` (in process) drive it. The model is Hugging Face's, unchanged, with
-our paged attention registered. Bookkeeping tensors are built on the CPU and moved to the model's device
-once per step; sampling runs on the CPU."""
+"""The generative engine core: add requests (under the caller's ids), call ``step()``; each step runs one
+packed forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
+text: ``engine.GenerativeEngine`` owns it (tokenising, in-process generate) and the engine process shell
+(``runner.py``) drives it. The model is Hugging Face's, unchanged, with our paged attention registered.
+
+Per step the Python work is O(1) per sequence: each sequence keeps its KV slot table and block table as
+tensors that grow a block at a time (``_sync``), so building the step's metadata slices views instead of
+rebuilding slot lists; sampling is one batched call on the model's device (``sampler.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from zserve.stages.generate.attention import PagedKVCache, StepMeta
 from zserve.stages.generate.block_manager import BlockManager
+from zserve.stages.generate.sampler import Sampler
 from zserve.stages.generate.scheduler import Chunk, StepScheduler
 from zserve.stages.generate.sequence import SamplingParams, Sequence
 
@@ -28,6 +32,22 @@ class TokenOutput:
     finish_reason: str | None  # None while running; "stop" | "length"
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (the runner reports them with every step's output)."""
+
+    steps: int = 0
+    batch_tokens: int = 0  # tokens in the last step's forward pass
+    computed_tokens: int = 0  # tokens forwarded, all steps (prompt chunks and decodes)
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (a recomputed sequence counts again)
+    cached_tokens: int = 0  # of those, found in the prefix cache (not computed)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 class EngineCore:
     def __init__(
         self,
@@ -38,6 +58,7 @@ class EngineCore:
         max_batched_tokens: int = 256,
         max_running: int = 64,
         chunked_prefill: bool = True,
+        prefix_caching: bool = True,
         batched_decode: bool | None = None,
     ) -> None:
         """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
@@ -45,9 +66,9 @@ class EngineCore:
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = model.eval()
-        self.eos_ids = set(_as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id))
-        # Prefix sharing stays off until the step loop orders sharers after the owner's prefill.
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
+        eos = _as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = PagedKVCache(
             config.num_hidden_layers, num_blocks * block_size, _kv_heads(config), head_dim, model.dtype, model.device
         )
@@ -56,12 +77,14 @@ class EngineCore:
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
         )
+        self.sampler = Sampler(self.eos_ids, config.vocab_size)
         name = f"zserve_paged_{next(_names)}"
         AttentionInterface.register(name, self.cache.attention)
         AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
         model.set_attn_implementation(name)
         self.sequences: dict[int, Sequence] = {}
-        self._generators: dict[int, torch.Generator] = {}
+        self._stats = EngineStats()
+        self._block_slots = torch.arange(block_size)  # slot offsets inside a block
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (prompt + new) can ever fit the KV pool."""
@@ -75,19 +98,29 @@ class EngineCore:
     def free_blocks(self) -> int:
         return self.blocks.num_free
 
-    def add(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.preemptions = self.scheduler.preemptions
+        s.prompt_tokens, s.cached_tokens = self.scheduler.prompt_tokens, self.scheduler.cached_tokens
+        return s
+
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a sequence under the caller's ``seq_id`` (unique among the sequences in the engine)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
-        seq = Sequence(list(prompt_ids), params or SamplingParams())
-        if not self.fits(len(seq.tokens) + seq.params.max_new_tokens):
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence id {seq_id} is already in the engine")
+        seq = Sequence(seq_id, list(prompt_ids), params or SamplingParams())
+        capacity = self.blocks.blocks_needed(len(seq.tokens) + seq.params.max_new_tokens)
+        if capacity > len(self.blocks.blocks):
             raise ValueError(
                 f"prompt + max_new_tokens needs more KV blocks than the pool has ({len(self.blocks.blocks)})"
             )
-        self.sequences[seq.seq_id] = seq
-        if seq.params.seed is not None:
-            self._generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+        seq.slots = torch.empty(capacity * self.blocks.block_size, dtype=torch.long)
+        seq.table = torch.empty(capacity, dtype=torch.int32)
+        self.sequences[seq_id] = seq
         self.scheduler.add(seq)
-        return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
         """Stop a sequence now and free its blocks."""
@@ -95,100 +128,75 @@ class EngineCore:
         if seq is not None:
             self.scheduler.abort(seq)
             seq.finish_reason = "abort"
-            self._generators.pop(seq_id, None)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(seq.kv.block_table, dtype=torch.long)
-        positions = torch.arange(start, end)
-        bs = self.blocks.block_size
-        return table[positions // bs] * bs + positions % bs
+    def _sync(self, seq: Sequence) -> None:
+        """Copy the blocks added to the sequence's block table since the last step into its slot tables."""
+        table, bs = seq.kv.block_table, self.blocks.block_size
+        for j in range(seq.kv.num_synced, len(table)):
+            seq.table[j] = table[j]
+            seq.slots[j * bs : (j + 1) * bs] = self._block_slots + table[j] * bs
+        seq.kv.num_synced = len(table)
 
-    def _meta(self, chunks: list[Chunk]) -> tuple[list[int], list[int], StepMeta, list[int]]:
-        ids, positions, writes, sample_rows, decodes, prefills, row = [], [], [], [], [], [], 0
+    def _meta(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int]]:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        writes, tables, slot_rows, lengths, starts, sample_rows = [], [], [], [], [0], []
         for c in chunks:
-            n = c.end - c.start
-            ids += c.seq.tokens[c.start : c.end]
-            positions += range(c.start, c.end)
-            read = self._slots(c.seq, 0, c.end)  # every KV slot the chunk attends to; it writes the last n
-            writes.append(read[c.start :])
-            if n == 1 and c.start > 0:
-                decodes.append((row, c, read))
-            else:
-                # a later chunk of a prompt sees everything before it, and itself causally
-                mask = None
-                if c.start > 0:
-                    mask = torch.arange(c.end).unsqueeze(0) <= torch.arange(c.start, c.end).unsqueeze(1)
-                prefills.append((row, row + n, read, mask))
-            row += n
+            seq = c.seq
+            self._sync(seq)
+            ids += seq.tokens[c.start : c.end]
+            positions.append(torch.arange(c.start, c.end))
+            writes.append(seq.slots[c.start : c.end])
+            slot_rows.append(seq.slots[: c.end])
+            tables.append(seq.table[: len(seq.kv.block_table)])
+            lengths.append(c.end)
+            starts.append(starts[-1] + c.end - c.start)
             if c.samples:
-                sample_rows.append(row - 1)
-        meta = StepMeta(torch.cat(writes), prefills)
-        if decodes:
-            meta.decode_rows = [r for r, _, _ in decodes]
-            meta.decode_lengths = [c.end for _, c, _ in decodes]
-            meta.decode_slots = torch.cat([read for _, _, read in decodes])
-        return ids, positions, meta, sample_rows
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        p = seq.params
-        if len(seq.generated) < p.min_new_tokens:
-            banned = [t for t in (*self.eos_ids, *p.stop_token_ids) if t < logits.numel()]
-            if banned:
-                logits = logits.clone()
-                logits[banned] = float("-inf")
-        if p.temperature < 1e-5:  # below this, logits / temperature overflows: it is greedy anyway
-            return int(logits.argmax())
-        logits = logits.float() / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cumulative - torch.softmax(sorted_logits, -1) > p.top_p  # keep the first token over top_p
-            logits[order[drop]] = float("-inf")
-        probs = torch.softmax(logits, -1).nan_to_num_(0.0)
-        if not probs.sum() > 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(probs, 1, generator=self._generators.get(seq.seq_id)))
+                sample_rows.append(starts[-1] - 1)
+        num_decodes = sum(1 for c in chunks if c.end - c.start == 1 and c.start > 0)
+        meta = StepMeta(self.blocks.block_size, torch.cat(writes), starts, lengths, num_decodes, tables, slot_rows)
+        return torch.tensor([ids]), torch.cat(positions).unsqueeze(0), meta, sample_rows
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        # decodes first (the layout paged kernels take); order within each group is kept
+        chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
         ids, positions, meta, sample_rows = self._meta(chunks)
         device = self.device
         logits = self.model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.tensor([positions], device=device),
+            input_ids=ids.to(device),
+            position_ids=positions.to(device),
             use_cache=False,
             logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            zserve_meta=meta.to(device, self.batched_decode),
+            zserve_meta=meta.for_torch(device, self.batched_decode),
         ).logits[0]
-        if device.type != "cpu":
-            logits = logits.float().cpu()  # sampling is per-request Python: one copy back per step
-        outputs = []
-        sampling = [c for c in chunks if c.samples]
+        stats = self._stats
+        stats.steps += 1
+        stats.batch_tokens = ids.shape[1]
+        stats.computed_tokens += ids.shape[1]
         for c in chunks:
             c.seq.num_computed = c.end
-        for c, row_logits in zip(sampling, logits, strict=True):
-            seq = c.seq
-            token = self._sample(seq, row_logits)
+            self.blocks.mark_computed(c.seq.kv, c.end)
+        sampling = [c.seq for c in chunks if c.samples]
+        tokens = self.sampler.sample(logits, sampling) if sampling else []
+        outputs = []
+        for seq, token in zip(sampling, tokens, strict=True):
             self.blocks.append(seq.kv, token)
             reason = None
             if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
                 reason = "stop"
-            elif len(seq.generated) >= seq.params.max_new_tokens:
+            elif seq.num_generated >= seq.params.max_new_tokens:
                 reason = "length"
             if reason:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
-                self.sequences.pop(seq.seq_id, None)
-                self._generators.pop(seq.seq_id, None)
+                del self.sequences[seq.seq_id]
             outputs.append(TokenOutput(seq.seq_id, token, reason))
         return outputs
 

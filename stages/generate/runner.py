@@ -33,6 +33,7 @@ from zserve.frames import pack
 from zserve.generation import GenerateResponse, parse_generate_request
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.generate.detokenize import TextStream
+from zserve.stages.generate.engine import PreparedPrompt, engine_of
 from zserve.stages.items import Failure
 from zserve.stages.runtime import WorkerLink
 from zserve.transport import make_socket
@@ -49,7 +50,24 @@ class Admitted:
     batch_id: int
     stream: bool
     decoded: bool
-    prompt: Any  # causal_lm.PreparedPrompt
+    prompt: PreparedPrompt
+
+
+@dataclass(slots=True)
+class _StepReport:
+    """What one step tells the broker besides tokens (the core's counters, copied on the step thread)."""
+
+    step_ms: float
+    free_blocks: int
+    batch_tokens: int
+    preemptions: int
+    prompt_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def of(cls, step_ms: float, core: Any) -> _StepReport:
+        s = core.stats
+        return cls(step_ms, core.free_blocks, s.batch_tokens, s.preemptions, s.prompt_tokens, s.cached_tokens)
 
 
 @dataclass(slots=True)
@@ -76,10 +94,11 @@ class _Entry:
 
 class GenerationRunner:
     def __init__(self, model: Any, link: WorkerLink) -> None:
-        self.model = model
-        self.core = model.core
+        self.model = model  # its request hooks (direct clients send bodies the engine decodes)
+        self.engine = engine_of(model)
+        self.core = self.engine.core
         self.link = link
-        link.credits = model.max_running
+        link.credits = self.engine.max_running
         link.kv_blocks = self.core.num_blocks
         link.free_kv_blocks = self.core.free_blocks
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread
@@ -104,7 +123,7 @@ class GenerationRunner:
         try:
             body = payload.decode(frames)
             request = parse_generate_request(body if decoded else self.model.decode_request(body))
-            prompt = self.model.prepare(request)
+            prompt = self.engine.prepare(request)
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
         else:
@@ -144,19 +163,15 @@ class GenerationRunner:
     # ---- the step thread ----
 
     def _step_loop(self) -> None:
-        seq_of: dict[int, int] = {}  # batch id -> core seq id
-        batch_of: dict[int, int] = {}  # core seq id -> batch id
+        core = self.core  # its sequence ids are the broker's batch ids
 
         def drop(batch_id: int) -> None:
-            seq_id = seq_of.pop(batch_id, None)
-            if seq_id is not None:
-                batch_of.pop(seq_id, None)
-                self.core.abort(seq_id)
+            core.abort(batch_id)
             self.outbox.put(("drop", batch_id, None))
 
         while not self._stop.is_set():
             try:
-                kind, item = self.inbox.get(timeout=None if not self.core.has_work() else 0)
+                kind, item = self.inbox.get(timeout=None if not core.has_work() else 0)
             except queue.Empty:
                 kind = None
             while kind is not None:
@@ -164,46 +179,37 @@ class GenerationRunner:
                     return
                 if kind == "add":
                     try:
-                        seq_id = self.core.add(item.prompt.prompt_ids, item.prompt.params)
+                        core.add(item.batch_id, item.prompt.prompt_ids, item.prompt.params)
                     except ValueError as exc:
                         self.outbox.put(("fail", item.batch_id, Failure(Status.BAD_REQUEST, str(exc), "prompt")))
                     else:
-                        seq_of[item.batch_id], batch_of[seq_id] = seq_id, item.batch_id
                         self.outbox.put(("start", item.batch_id, item))
                 elif kind == "abort":
                     for batch_id in item:
                         drop(batch_id)
                 elif kind == "reset":  # the broker forgot us: nobody waits for these any more
-                    for batch_id in list(seq_of):
+                    for batch_id in list(core.sequences):
                         drop(batch_id)
                 try:
                     kind, item = self.inbox.get_nowait()
                 except queue.Empty:
                     kind = None
-            self.link.free_kv_blocks = self.core.free_blocks  # aborts free blocks too; heartbeats carry it
-            if not self.core.has_work():
+            self.link.free_kv_blocks = core.free_blocks  # aborts free blocks too; heartbeats carry it
+            if not core.has_work():
                 continue
             started = time.perf_counter()
             try:
-                outputs = self.core.step()
+                outputs = core.step()
             except Exception as exc:  # a bug or a device error: fail what ran, keep serving
                 why = "".join(traceback.format_exception_only(exc)).strip()
-                log.error("engine step failed: %s; failing %d sequences", why, len(seq_of))
-                for batch_id in list(seq_of):
+                log.error("engine step failed: %s; failing %d sequences", why, len(core.sequences))
+                for batch_id in list(core.sequences):
                     drop(batch_id)
                     self.outbox.put(("fail", batch_id, Failure(Status.INTERNAL, f"engine step raised {why}")))
                 continue
-            step_ms = (time.perf_counter() - started) * 1000.0
-            tokens = []
-            for out in outputs:
-                batch_id = batch_of.get(out.seq_id)
-                if batch_id is None:
-                    continue
-                tokens.append((batch_id, out.token_id, out.finish_reason))
-                if out.finish_reason:
-                    del batch_of[out.seq_id], seq_of[batch_id]
-            self.link.free_kv_blocks = self.core.free_blocks
-            self.outbox.put(("step", tokens, (step_ms, self.core.free_blocks)))
+            step = _StepReport.of((time.perf_counter() - started) * 1000.0, core)
+            self.link.free_kv_blocks = core.free_blocks
+            self.outbox.put(("step", [(o.seq_id, o.token_id, o.finish_reason) for o in outputs], step))
 
     # ---- the output thread ----
 
@@ -221,17 +227,16 @@ class GenerationRunner:
                     except queue.Empty:
                         break
                 entries: dict[int, _Entry] = {}
-                step_ms, free_blocks = 0.0, -1
+                steps: list[_StepReport] = []
                 for kind, batch_id_or_tokens, extra in news:
                     if kind == "stop":
                         return
                     if kind == "step":
                         self._tokens(batch_id_or_tokens, sequences, entries)
-                        step_ms += extra[0]
-                        free_blocks = extra[1]
+                        steps.append(extra)
                     elif kind == "start":
                         a: Admitted = extra
-                        text = TextStream(self.model.tokenizer, a.prompt.stop, prompt_ids=a.prompt.prompt_ids)
+                        text = self.engine.text_stream(a.prompt)
                         sequences[batch_id_or_tokens] = _Output(a.stream, a.decoded, text, len(a.prompt.prompt_ids))
                     elif kind == "drop":
                         sequences.pop(batch_id_or_tokens, None)
@@ -241,9 +246,9 @@ class GenerationRunner:
                         entries[batch_id_or_tokens] = _Entry(
                             finished=True, status=failure.status, message=failure.message, field=failure.field
                         )
-                if entries or free_blocks >= 0:
+                if entries or steps:
                     try:
-                        push.send_multipart(self._message(codec, entries, step_ms, free_blocks), copy=False)
+                        push.send_multipart(self._message(codec, entries, steps), copy=False)
                     except zmq.Again:  # no broker for SNDTIMEO: what waited for these answers is gone with it
                         log.warning("broker unreachable: dropped the output of %d sequences", len(entries))
         finally:
@@ -274,7 +279,8 @@ class GenerationRunner:
                 except Exception as exc:
                     entry.status, entry.message = Status.INTERNAL, f"encode_response raised {exc!r}"
 
-    def _message(self, codec: Codec, entries: dict[int, _Entry], step_ms: float, free_blocks: int) -> list[Any]:
+    def _message(self, codec: Codec, entries: dict[int, _Entry], steps: list[_StepReport]) -> list[Any]:
+        last = steps[-1] if steps else None
         ids = [b for b, e in entries.items() if e.finished or e.text]  # nothing to say for the rest
         picked = [entries[b] for b in ids]
         header = StepOutput(
@@ -286,8 +292,13 @@ class GenerationRunner:
             [e.status for e in picked],
             [e.message for e in picked],
             [len(e.frames) for e in picked],
-            free_blocks,
-            step_ms,
+            last.free_blocks if last else -1,
+            sum(s.step_ms for s in steps),
             [e.field for e in picked],
+            len(steps),
+            sum(s.batch_tokens for s in steps),
+            last.preemptions if last else 0,
+            last.prompt_tokens if last else 0,
+            last.cached_tokens if last else 0,
         )
         return [codec.encode(header), *pack([f for e in picked for f in e.frames])]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from zserve.stages.generate.block_manager import SeqBlocks
-
-_ids = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,20 +18,33 @@ class SamplingParams:
     ignore_eos: bool = False
     min_new_tokens: int = 0  # eos and stop ids cannot be sampled before this many tokens
 
+    @property
+    def greedy(self) -> bool:
+        # below this, logits / temperature overflows: it is greedy anyway
+        return self.temperature < 1e-5
+
 
 @dataclass(slots=True)
 class Sequence:
+    seq_id: int  # the caller's id (the runner's batch id, generate's prompt index)
     tokens: list[int]
     params: SamplingParams
-    seq_id: int = field(default_factory=lambda: next(_ids))
     prompt_len: int = 0
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     kv: SeqBlocks = field(init=False)
+    # the engine's slot tables (torch tensors, filled block by block as the block table grows; see
+    # EngineCore._sync): every KV slot of the sequence, and its block table
+    slots: object = None
+    table: object = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
         self.kv = SeqBlocks(self.seq_id, self.tokens)  # shares the token list
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
     @property
     def generated(self) -> list[int]:

@@ -67,6 +67,9 @@ def test_identical_prefixes_share_full_blocks_and_survive_a_free():
     a = SeqBlocks(1, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.allocate(a)
     b = SeqBlocks(2, [1, 2, 3, 4, 5, 6, 7, 8, 42])
+    assert bm.match(b) == (0, True)  # announced by a, not computed yet: wait for it
+    bm.mark_computed(a, 9)
+    assert bm.match(b) == (2, False)
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
     assert b.num_cached_tokens == 8 and bm.num_free == 8 - 4

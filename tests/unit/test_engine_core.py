@@ -61,7 +61,8 @@ def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num
     steps = 0
     while pending or engine.has_work():
         if pending and steps % 2 == 0:  # a new request every other step: they join a running batch
-            ids.append(engine.add(pending.pop(0), SamplingParams(max_new_tokens=n_new)))
+            ids.append(100 + len(ids))  # the caller's ids
+            engine.add(ids[-1], pending.pop(0), SamplingParams(max_new_tokens=n_new))
         for out in engine.step():
             produced.setdefault(out.seq_id, []).append(out.token_id)
         steps += 1
@@ -76,8 +77,11 @@ def test_abort_frees_blocks_and_stop_tokens_end_a_sequence(reference):
     engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [p1, p2] = prompts(2, seed=5)
     greedy = expected(reference, p2, 6)
-    a = engine.add(p1, SamplingParams(max_new_tokens=50))
-    b = engine.add(p2, SamplingParams(max_new_tokens=50, stop_token_ids=(greedy[3],)))
+    a, b = 7, 3
+    engine.add(a, p1, SamplingParams(max_new_tokens=50))
+    engine.add(b, p2, SamplingParams(max_new_tokens=50, stop_token_ids=(greedy[3],)))
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add(a, p2)
     finished = {}
     for _ in range(3):
         engine.step()
@@ -96,7 +100,8 @@ def test_seeded_sampling_is_reproducible(reference):
     runs = []
     for _ in range(2):
         engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
-        seq_id = engine.add(prompts(1)[0], params)
+        seq_id = 0
+        engine.add(seq_id, prompts(1)[0], params)
         tokens = []
         while engine.has_work():
             tokens += [o.token_id for o in engine.step() if o.seq_id == seq_id]
@@ -128,7 +133,9 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
     model = _tiny(family).eval()
     engine = EngineCore(copy.deepcopy(model), num_blocks=128, block_size=8, max_batched_tokens=48)
     batch = prompts(6, seed=3)
-    ids = [engine.add(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in batch]
+    ids = list(range(len(batch)))
+    for i, p in zip(ids, batch, strict=True):
+        engine.add(i, p, SamplingParams(max_new_tokens=8, ignore_eos=True))
     produced: dict[int, list[int]] = {}
     while engine.has_work():
         for out in engine.step():
@@ -140,8 +147,71 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
 def test_a_tiny_temperature_is_greedy_not_a_crash(reference):
     engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [prompt] = prompts(1, seed=9)
-    seq = engine.add(prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
+    seq = 1
+    engine.add(seq, prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
     out = []
     while engine.has_work():
         out += [o.token_id for o in engine.step() if o.seq_id == seq]
     assert out == expected(reference, prompt, 5)
+
+
+def test_a_shared_prefix_is_computed_once_and_output_still_equals_generate(reference):
+    """32 requests sharing a 400-token system prompt: the prefix is prefilled once, every greedy output is
+    still Hugging Face's, and the hit rate says so."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(1, 256) for _ in range(400)]
+    batch = [prefix + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 12))] for _ in range(32)]
+    n_new = 4
+    engine = EngineCore(copy.deepcopy(reference), num_blocks=160, block_size=16, max_batched_tokens=256)
+    for i, prompt in enumerate(batch):
+        engine.add(i, prompt, SamplingParams(max_new_tokens=n_new))
+    produced: dict[int, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            produced.setdefault(out.seq_id, []).append(out.token_id)
+    own = sum(len(p) - 400 for p in batch) + 32 * n_new  # suffixes and decodes: what sharing cannot save
+    stats = engine.stats
+    # the prefix once (up to a block's worth of the last prompt token's block per request)
+    assert stats.computed_tokens <= 400 + own + 32 * 16, stats
+    assert stats.cached_tokens >= 31 * 384 and stats.prefix_hit_rate > 0.9
+    for i, prompt in enumerate(batch):
+        assert produced[i] == expected(reference, prompt, n_new), f"sequence {i}"
+    assert engine.blocks.num_free == 160
+
+
+def test_prefix_sharers_under_preemption_and_staggered_arrivals_equal_generate(reference):
+    rng = random.Random(5)
+    prefix = [rng.randrange(1, 256) for _ in range(40)]
+    batch = [prefix + p for p in prompts(12, seed=8)]
+    engine = EngineCore(copy.deepcopy(reference), num_blocks=24, block_size=8, max_batched_tokens=48)
+    produced: dict[int, list[int]] = {}
+    pending, steps = list(enumerate(batch)), 0
+    while pending or engine.has_work():
+        if pending and steps % 2 == 0:
+            i, prompt = pending.pop(0)
+            engine.add(i, prompt, SamplingParams(max_new_tokens=10))
+        for out in engine.step():
+            produced.setdefault(out.seq_id, []).append(out.token_id)
+        steps += 1
+    assert engine.scheduler.preemptions > 0 and engine.stats.cached_tokens > 0
+    for i, prompt in enumerate(batch):
+        assert produced[i] == expected(reference, prompt, 10), f"sequence {i}"
+    assert engine.blocks.num_free == 24
+
+
+def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(reference):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99)
+    [mine, *others] = prompts(6, seed=21)
+
+    def run(with_others: bool) -> list[int]:
+        engine = EngineCore(copy.deepcopy(reference), num_blocks=128, block_size=8, max_batched_tokens=64)
+        engine.add(0, mine, params)
+        if with_others:
+            for i, p in enumerate(others, 1):
+                engine.add(i, p, SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=i))
+        tokens = []
+        while engine.has_work():
+            tokens += [o.token_id for o in engine.step() if o.seq_id == 0]
+        return tokens
+
+    assert run(False) == run(True)

@@ -1,0 +1,194 @@
+"""The generative engine: one object that loads the model and tokenizer, sizes the KV pool, turns requests
+into token ids and sampling parameters, and owns the ``EngineCore``. The engine process's runner
+(``runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both use it, so there
+is one tokenisation path.
+
+The engine's ``max_running`` (sequences per step) is also how many sequences the broker admits to it.
+
+The interface of a generative handler (a ``zserve.Model`` with ``generative = True``):
+  * ``setup(device)`` sets ``self.engine`` to a ``GenerativeEngine`` (``GenerativeEngine.load(...)`` builds
+    one from a model folder);
+  * ``decode_request(body)`` turns a request body into a ``GenerateRequest``-shaped dict (raising
+    ``BadRequest`` naming the field), and ``encode_response(GenerateResponse)`` the answer into its body;
+``zserve.models.causal_lm:CausalLM`` is the one that ships; ``engine_of(model)`` checks the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from zserve.errors import BadRequest
+from zserve.generation import GenerateRequest, GenerateResponse
+from zserve.stages.generate.detokenize import TextStream
+from zserve.stages.generate.engine_core import EngineCore
+from zserve.stages.generate.sequence import SamplingParams
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+_GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    """A request ready for the engine core: token ids, sampling parameters, stop strings."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How the core is sized and scheduled (CausalLM's options of the same names)."""
+
+    kv_cache_bytes: int = 0  # 0 = 1 GiB on a CPU, 90% of the free memory on a GPU
+    num_blocks: int = 0  # overrides kv_cache_bytes
+    block_size: int = 16
+    max_batched_tokens: int = 256
+    max_running: int = 64
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    max_new_tokens: int = 64  # the default per request
+
+
+class GenerativeEngine:
+    def __init__(self, model: Any, tokenizer: Any, options: EngineOptions = EngineOptions()) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.max_running = options.max_running
+        self.max_new_tokens = options.max_new_tokens
+        num_blocks = options.num_blocks or pool_blocks(model, options.kv_cache_bytes, options.block_size)
+        self.core = EngineCore(
+            model, num_blocks=num_blocks, block_size=options.block_size,
+            max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
+            chunked_prefill=options.chunked_prefill, prefix_caching=options.prefix_caching,
+        )  # fmt: skip
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+
+    @classmethod
+    def load(
+        cls, path: str, *, device: str = "cpu", dtype: str = "float32", gguf_file: str = "", options: EngineOptions
+    ) -> GenerativeEngine:
+        """From a local folder, a hub name or ``package:NAME``; a GGUF file is converted once into a cache
+        (transformers' GGUF loader takes ~45 s; the cache loads in about a second)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from zserve.gguf_cache import converted_path, resolve_model_path
+
+        path = resolve_model_path(path)
+        if gguf_file:
+            path = str(converted_path(path, gguf_file, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+        return cls(model, tokenizer, options)
+
+    def warmup(self) -> None:
+        self.generate([GenerateRequest(prompt="warm up", max_new_tokens=2, ignore_eos=True)])
+
+    def prepare(self, request: GenerateRequest) -> PreparedPrompt:
+        """Tokenise (applying the chat template to ``messages``) and check the lengths."""
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [msgspec.to_builtins(m) for m in request.messages], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise BadRequest("the prompt is empty after tokenisation", field="prompt")
+        room = self.max_context - len(ids)
+        if room < 1:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_context}", field="prompt"
+            )
+        # no max_new_tokens: up to max_length if given (MII), else the model's default
+        max_new = request.max_new_tokens or (room if request.max_length else min(self.max_new_tokens, room))
+        if request.max_new_tokens and request.max_new_tokens > room:
+            raise BadRequest(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) is over this model's "
+                f"context of {self.max_context} tokens",
+                field="max_new_tokens",
+            )
+        if request.max_length is not None:
+            if request.max_length <= len(ids):
+                raise BadRequest(f"max_length {request.max_length} leaves no room after {len(ids)} prompt tokens",
+                                 field="max_length")  # fmt: skip
+            max_new = min(max_new, request.max_length - len(ids))
+        if not self.core.fits(len(ids) + max_new):
+            raise BadRequest(
+                f"prompt + max_new_tokens ({len(ids) + max_new} tokens) is more than the KV cache holds", field="prompt"
+            )
+        params = SamplingParams(
+            max_new_tokens=max_new, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            seed=request.seed, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+            min_new_tokens=request.min_new_tokens,
+        )  # fmt: skip
+        return PreparedPrompt(ids, params, list(request.stop))
+
+    def text_stream(self, prompt: PreparedPrompt) -> TextStream:
+        """The incremental detokeniser of one sequence (stop strings included)."""
+        return TextStream(self.tokenizer, prompt.stop, prompt_ids=prompt.prompt_ids)
+
+    def generate(
+        self, requests: Sequence[GenerateRequest], on_delta: Callable[[int, str], None] | None = None
+    ) -> list[GenerateResponse]:
+        """One response per request, generated together in this process (the core must be idle: it is not
+        shared with a runner). ``on_delta(index, text)`` streams text as it is produced."""
+        prepared = [self.prepare(r) for r in requests]
+        streams = [self.text_stream(p) for p in prepared]
+        lengths = [0] * len(prepared)
+        reasons: dict[int, str] = {}
+        for i, p in enumerate(prepared):
+            self.core.add(i, p.prompt_ids, p.params)
+        try:
+            while len(reasons) < len(prepared):
+                for out in self.core.step():
+                    i = out.seq_id
+                    if i in reasons:
+                        continue
+                    lengths[i] += 1
+                    delta, reason = streams[i].advance(out.token_id, out.finish_reason)
+                    if streams[i].stopped:
+                        self.core.abort(i)
+                    if reason:
+                        reasons[i] = reason
+                    if delta and on_delta is not None:
+                        on_delta(i, delta)
+        finally:
+            for i in range(len(prepared)):  # an exception (or a callback's) leaves nothing behind
+                self.core.abort(i)
+        return [
+            GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i])
+            for i, (s, n, p) in enumerate(zip(streams, lengths, prepared, strict=True))
+        ]
+
+
+def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int) -> int:
+    """KV blocks in ``kv_cache_bytes`` (0: 1 GiB on a CPU, 90% of the free device memory on a GPU)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    per_block = 2 * c.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * block_size
+    budget = int(kv_cache_bytes)
+    if not budget:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * _GPU_MEMORY_FRACTION)
+        else:
+            budget = _CPU_KV_CACHE_BYTES
+    return max(1, budget // per_block)
+
+
+def engine_of(model: Any) -> GenerativeEngine:
+    """The engine of a generative handler after ``setup``; a clear error when it breaks the contract."""
+    engine = getattr(model, "engine", None)
+    if not isinstance(engine, GenerativeEngine):
+        raise TypeError(
+            f"{type(model).__name__} says generative = True, but its setup() did not set self.engine to a "
+            "zserve.stages.generate.engine.GenerativeEngine"
+        )
+    return engine
