@@ -13,6 +13,7 @@ Both queues are insertion-ordered dicts keyed by sequence id: add, finish, abort
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from zserve.stages.generate.block_manager import BlockManager
@@ -40,7 +41,7 @@ class StepScheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         self.chunked_prefill = chunked_prefill
-        self.waiting: dict[int, Sequence] = {}  # FIFO; a preempted sequence goes back to the front
+        self.waiting: OrderedDict[int, Sequence] = OrderedDict()  # FIFO; a preempted one goes back to the front
         self.running: dict[int, Sequence] = {}  # oldest first
         self.preemptions = 0
         self.prompt_tokens = 0  # tokens of every admitted prompt (a recomputed one counts again)
@@ -63,7 +64,8 @@ class StepScheduler:
         _, victim = self.running.popitem()
         self.blocks.free(victim.kv)
         victim.num_computed = 0
-        self.waiting = {victim.seq_id: victim, **self.waiting}  # rare: rebuilding the queue is fine here
+        self.waiting[victim.seq_id] = victim
+        self.waiting.move_to_end(victim.seq_id, last=False)
         self.preemptions += 1
 
     def schedule(self) -> list[Chunk]:

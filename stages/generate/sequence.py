@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zserve.stages.generate.block_manager import SeqBlocks
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +39,8 @@ class Sequence:
     kv: SeqBlocks = field(init=False)
     # the engine's slot tables (torch tensors, filled block by block as the block table grows; see
     # EngineCore._sync): every KV slot of the sequence, and its block table
-    slots: object = None
-    table: object = None
+    slots: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
