@@ -31,7 +31,13 @@ class Worker:
     last_seen_s: float
     last_dispatch_s: float = 0.0
     busy: bool = False  # from its last heartbeat: inside predict right now
+    progress_s: float = 0.0  # its last result or engine step, or when it got work while idle
     free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
+    kv_blocks: int = 0  # generative engines: the pool's size (Hello)
+    # generative engines' counters since they started, from their last StepOutput
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
 
     @property
@@ -61,7 +67,7 @@ class WorkerPool:
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
         self.workers[worker_id] = Worker(
-            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks
+            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks
         )
         return orphans
 
@@ -104,6 +110,8 @@ class WorkerPool:
         if worker.free_credits <= 0:
             raise RuntimeError(f"worker {worker.name} has no credit")
         batch = InFlightBatch(batch_id, model, item_ids, worker.worker_id, now, worker.role)
+        if not worker.in_flight:
+            worker.progress_s = now  # idle until now: the hang clock starts with this batch
         worker.in_flight[batch_id] = batch
         worker.last_dispatch_s = now
         self._batches[batch_id] = batch
@@ -117,6 +125,15 @@ class WorkerPool:
             if worker is not None:
                 worker.in_flight.pop(batch_id, None)
         return batch
+
+    def progressed(self, worker_id: bytes, now: float) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.progress_s = now
+
+    def hung(self, now: float, timeout_s: dict[str, float]) -> list[Worker]:
+        """Workers that hold work but made no progress for their model's ``timeout_s``."""
+        return [w for w in self.workers.values() if w.in_flight and now - w.progress_s > timeout_s[w.models[0]]]
 
     def expire(self, now: float) -> list[tuple[Worker, list[InFlightBatch]]]:
         """Remove workers silent for longer than ``liveness_s``; return them with the batches they held."""
@@ -146,6 +163,9 @@ class WorkerPool:
 
     def free_kv_blocks(self, model: str) -> int:
         return sum(w.free_kv_blocks for w in self._serving(model, ENGINE))
+
+    def engines(self, model: str) -> list[Worker]:
+        return list(self._serving(model, ENGINE))
 
 
 def _load(worker: Worker) -> tuple[int, int, float]:

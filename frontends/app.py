@@ -16,7 +16,10 @@ import msgspec
 
 from zserve.client import AsyncClient
 from zserve.config import FrontendSettings
+from zserve.frontends.auth import RequireApiKey, api_keys_from
+from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_models
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
+from zserve.frontends.openapi import OpenApiResource, openapi_document
 from zserve.frontends.resources import (
     Health,
     LiveResource,
@@ -44,18 +47,27 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     client = AsyncClient(settings.client_endpoint)
     health = Health(client)
 
-    app = falcon.asgi.App(cors_enable=False)
+    keys = api_keys_from(settings.api_keys_file)
+    middleware = [RequireApiKey(keys, settings.auth_health, settings.probe_key)] if keys.enabled else []
+    app = falcon.asgi.App(cors_enable=False, middleware=middleware)
     app.req_options.auto_parse_form_urlencoded = False
     app.set_error_serializer(error_serializer)
     app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
     app.add_route("/v1/models", ModelsResource(handlers))
-    if any(h.generative for h in handlers.values()):
+    if any(h.generative for h in handlers.values()):  # the same test as openapi_document's
         app.add_route("/v1/completions", CompletionsResource(client, handlers, settings.max_body_bytes))
         app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, settings.max_body_bytes))
         app.add_route("/mii/{deployment}", MiiResource(client, handlers, settings.max_body_bytes))
+    if embedding_models(handlers):
+        app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, settings.max_body_bytes))
     app.add_route("/healthz", LiveResource())
     staged = [m.name for m in settings.models if m.preprocess]
     app.add_route("/readyz", ReadyResource(health, list(handlers), staged))
     app.add_route("/metrics", MetricsResource(health))
-    log.info("frontend worker up (pid %d), models: %s", os.getpid(), ", ".join(handlers))
+    generative = [name for name, h in handlers.items() if h.generative]
+    document = openapi_document(list(handlers), generative, list(embedding_models(handlers)), keys.enabled,
+                                settings.auth_health)  # fmt: skip
+    app.add_route("/openapi.json", OpenApiResource(document))
+    log.info("frontend worker up (pid %d), models: %s, API keys %s", os.getpid(), ", ".join(handlers),
+             "required" if keys.enabled else "off")  # fmt: skip
     return app

@@ -18,10 +18,27 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from zserve.client import AsyncClient
+from zserve.client import AsyncClient, AsyncGenerationStream
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
-from zserve.frontends.resources import RequestError, read_json, set_error
+from zserve.frontends.api_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    MiiRequest,
+    OpenAIError,
+    OpenAIErrorDetail,
+    Usage,
+    decode_body,
+)
+from zserve.frontends.resources import RequestError, openai_error, read_json, set_error
 from zserve.generation import GenerateResponse
 from zserve.model import Model
 
@@ -30,18 +47,6 @@ _json = msgspec.json.Encoder()
 _UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": None,
                 "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None,
                 "response_format": None}  # fmt: skip
-
-
-def openai_error(resp: falcon.asgi.Response, status: int, code: str, message: str, param: str = "") -> None:
-    """Like ``set_error``, in OpenAI's shape (``param`` is our ``field``, ``code`` our error type)."""
-    kind = "invalid_request_error" if status < 500 else ("overloaded_error" if status == 503 else "server_error")
-    resp.status = status
-    resp.content_type = falcon.MEDIA_JSON
-    resp.data = _json.encode(
-        {"error": {"message": message, "type": kind, "param": param or None, "code": code or None}}
-    )
-    if status == 503:
-        resp.set_header("Retry-After", "1")
 
 
 def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
@@ -136,6 +141,9 @@ class _OpenAIRoute(_GenerateRoute):
     object_name = ""  # "text_completion" | "chat.completion"
     chunk_object_name = ""  # what a streamed event's "object" says
     id_prefix = ""
+    request_type: type = CompletionRequest  # checks the JSON types of the fields (and /openapi.json shows it)
+    answer_type: type = Completion
+    chunk_type: type = Completion  # a streamed event's data
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
@@ -143,8 +151,7 @@ class _OpenAIRoute(_GenerateRoute):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         async def work(named: list[str]) -> None:
             body = await read_json(req, self.max_body_bytes)
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object", field="body")
+            decode_body(body, self.request_type)
             name = body.get("model")
             model = self._model(name)
             named.append(name)
@@ -154,7 +161,15 @@ class _OpenAIRoute(_GenerateRoute):
                 if len(items) != 1:
                     raise BadRequest("streaming takes one prompt per request", field="prompt")
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                resp.sse = self._stream(name, items[0], meta, usage)
+                stream = self.client.generate_stream(items[0], model=name, decoded=True)
+                try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
+                    first: str | None = await anext(stream)
+                except StopAsyncIteration:
+                    first = None  # finished without text
+                except BaseException:
+                    await stream.aclose()
+                    raise
+                resp.sse = self._stream(stream, first, meta, usage)
                 resp.set_header("Cache-Control", "no-cache")
                 return
             responses = await asyncio.gather(*(self._run(name, item) for item in items))
@@ -163,49 +178,47 @@ class _OpenAIRoute(_GenerateRoute):
 
         await self._answer(resp, openai_error, work)
 
-    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse]) -> dict[str, Any]:
+    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse]) -> Any:
         prompt_tokens = sum(r.prompt_length for r in responses)
         completion_tokens = sum(r.generated_length for r in responses)
-        return {
-            **meta,
-            "object": self.object_name,
-            "choices": [self._choice(i, r) for i, r in enumerate(responses)],
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
+        choices = [self._choice(i, r) for i, r in enumerate(responses)]
+        return self.answer_type(**meta, object=self.object_name, choices=choices,
+                                usage=_usage(prompt_tokens, completion_tokens))  # fmt: skip
 
-    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
+    def _choice(self, index: int, response: GenerateResponse) -> Any:
         raise NotImplementedError
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> Any:
         raise NotImplementedError
 
-    async def _stream(self, name: str, item: Any, meta: dict[str, Any], usage: bool) -> AsyncIterator[Any]:
-        stream = self.client.generate_stream(item, model=name, decoded=True)
-        chunk = {**meta, "object": self.chunk_object_name}
+    def _event(self, meta: dict[str, Any], choices: list[Any], usage: Usage | None = None) -> falcon.asgi.SSEvent:
+        chunk = self.chunk_type(**meta, object=self.chunk_object_name, choices=choices, usage=usage)
+        return falcon.asgi.SSEvent(data=_json.encode(chunk))
+
+    async def _stream(
+        self, stream: AsyncGenerationStream, first_text: str | None, meta: dict[str, Any], usage: bool
+    ) -> AsyncIterator[Any]:
         try:
-            first = True
+            if first_text is not None:
+                yield self._event(meta, [self._delta(first_text, True, None)])
+            first = first_text is None
             async for text in stream:
-                yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(text, first, None)]})
+                yield self._event(meta, [self._delta(text, first, None)])
                 first = False
             r = stream.response
-            yield falcon.asgi.SSEvent(json={**chunk, "choices": [self._delta(None, first, r.finish_reason)]})
+            yield self._event(meta, [self._delta(None, first, r.finish_reason)])
             if usage:
-                usage_chunk = {**chunk, "choices": [], "usage": _usage(r.prompt_length, r.generated_length)}
-                yield falcon.asgi.SSEvent(json=usage_chunk)
+                yield self._event(meta, [], _usage(r.prompt_length, r.generated_length))
         except ZserveError as exc:  # the status line is out already: the error travels as an event
-            error = {"message": exc.message, "type": exc.type_name, "param": exc.field or None, "code": None}
-            yield falcon.asgi.SSEvent(json={"error": error})
+            error = OpenAIError(OpenAIErrorDetail(exc.message, exc.type_name, exc.field or None, None))
+            yield falcon.asgi.SSEvent(data=_json.encode(error))
         finally:
             await stream.aclose()  # the client went away mid-stream: cancel, free the KV blocks
         yield falcon.asgi.SSEvent(data=b"[DONE]")
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
 class CompletionsResource(_OpenAIRoute):
@@ -220,32 +233,31 @@ class CompletionsResource(_OpenAIRoute):
         sampling = _openai_sampling(body, default_max_tokens=16)  # OpenAI's default for completions
         return [model.decode_request({"prompt": p, **sampling}) for p in prompts]
 
-    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
-        return {"index": index, "text": response.generated_text, "logprobs": None,
-                "finish_reason": response.finish_reason}  # fmt: skip
+    def _choice(self, index: int, response: GenerateResponse) -> CompletionChoice:
+        return CompletionChoice(index, response.generated_text, None, response.finish_reason)
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> CompletionChoice:
+        return CompletionChoice(0, text or "", None, finish_reason)
 
 
 class ChatCompletionsResource(_OpenAIRoute):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    request_type = ChatCompletionRequest
+    answer_type = ChatCompletion
+    chunk_type = ChatCompletionChunk
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         sampling = _openai_sampling(body, default_max_tokens=None)  # None: the model's default
         return [model.decode_request({"messages": _chat_messages(body.get("messages")), **sampling})]
 
-    def _choice(self, index: int, response: GenerateResponse) -> dict[str, Any]:
-        message = {"role": "assistant", "content": response.generated_text}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": response.finish_reason}
+    def _choice(self, index: int, response: GenerateResponse) -> ChatChoice:
+        return ChatChoice(index, ChatMessageOut("assistant", response.generated_text), None, response.finish_reason)
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> ChatChunkChoice:
+        delta = ChatDelta(role="assistant" if first else None, content=text)
+        return ChatChunkChoice(0, delta, None, finish_reason)
 
 
 class MiiResource(_GenerateRoute):
@@ -259,17 +271,16 @@ class MiiResource(_GenerateRoute):
             model = self._model(deployment)
             named.append(deployment)
             body = await read_json(req, self.max_body_bytes)
-            if not isinstance(body, dict):
-                raise BadRequest('the body must be a JSON object {"prompts": ...}', field="body")
+            decode_body(body, MiiRequest)
             items = self._requests(model, body)
             responses = await asyncio.gather(*(self._run(deployment, item) for item in items))
-            resp.data = _json.encode([msgspec.to_builtins(r) for r in responses])
+            resp.data = _json.encode(responses)
             resp.content_type = falcon.MEDIA_JSON
 
         await self._answer(resp, set_error, work)
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        body = dict(body)
+        body = {key: value for key, value in body.items() if value is not None}  # null: the default
         prompts = body.pop("prompts", None)
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -281,10 +292,7 @@ class MiiResource(_GenerateRoute):
             body.setdefault("top_p", 0.9)
         else:
             body["temperature"] = 0.0
-        if body.get("top_k") is None:
-            body.pop("top_k", None)
-        if body.get("max_new_tokens") is None:
-            body.pop("max_new_tokens", None)
+        if "max_new_tokens" not in body:
             body.setdefault("max_length", 1024)
         if isinstance(body.get("stop"), str):
             body["stop"] = [body["stop"]]

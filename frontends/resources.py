@@ -1,9 +1,11 @@
-"""The REST resources. Every error body is ``{"error": {"type", "message", "field"?}}``."""
+"""The REST resources. Every error body is ``{"error": {"type", "message", "field"?}}``, except on the
+OpenAI routes, which answer in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import falcon
@@ -14,6 +16,7 @@ from zserve import payload
 from zserve.client import AsyncClient
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
+from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -24,10 +27,7 @@ READY_CACHE_S = 0.5
 
 
 def error_body(type_name: str, message: str, field: str = "") -> bytes:
-    error: dict[str, str] = {"type": type_name, "message": message}
-    if field:
-        error["field"] = field
-    return _json.encode({"error": error})
+    return _json.encode(Error(ErrorDetail(type_name, message, field or None)))
 
 
 def set_error(resp: falcon.asgi.Response, http_status: int, type_name: str, message: str, field: str = "") -> None:
@@ -36,6 +36,28 @@ def set_error(resp: falcon.asgi.Response, http_status: int, type_name: str, mess
     resp.data = error_body(type_name, message, field)
     if http_status == 503:
         resp.set_header("Retry-After", "1")
+
+
+def openai_error(resp: falcon.asgi.Response, http_status: int, code: str, message: str, param: str = "") -> None:
+    """Like ``set_error``, in OpenAI's shape (``param`` is our ``field``, ``code`` our error type)."""
+    if http_status < 500:
+        kind = "authentication_error" if http_status == 401 else "invalid_request_error"
+    else:
+        kind = "overloaded_error" if http_status == 503 else "server_error"
+    resp.status = http_status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _json.encode(OpenAIError(OpenAIErrorDetail(message, kind, param or None, code or None)))
+    if http_status == 503:
+        resp.set_header("Retry-After", "1")
+
+
+# The routes that answer errors in OpenAI's shape (what OpenAI clients parse).
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+
+
+def error_writer(path: str) -> Callable[..., None]:
+    """``openai_error`` for the OpenAI routes, ``set_error`` for every other."""
+    return openai_error if path in OPENAI_PATHS else set_error
 
 
 class RequestError(Exception):
@@ -115,6 +137,9 @@ class PredictResource:
             return 400, 0
         try:
             answer = await self.client.infer(name, item, decoded=True)
+        except payload.PayloadError as exc:  # e.g. an integer past 64 bits: JSON has them, msgpack does not
+            set_error(resp, 400, "bad_request", f"the request cannot travel to the model: {exc}", "body")
+            return 400, 0
         except ZserveError as exc:
             set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
             return exc.http_status, 0
@@ -187,7 +212,6 @@ class MetricsResource:
 
 
 def error_serializer(req: Any, resp: Any, exc: falcon.HTTPError) -> None:
-    """falcon's own errors (unknown route, wrong method) in our error shape."""
-    resp.content_type = falcon.MEDIA_JSON
+    """falcon's own errors (unknown route, wrong method) in the route's error shape."""
     title = (exc.title or "error").split(" ", 1)[-1] if (exc.title or "")[:3].isdigit() else (exc.title or "error")
-    resp.data = error_body(title.lower().replace(" ", "_"), exc.description or title)
+    error_writer(req.path)(resp, exc.status_code, title.lower().replace(" ", "_"), exc.description or title)

@@ -13,27 +13,89 @@ it into one payload: it cannot be split). The engine keeps serving after all of 
 from __future__ import annotations
 
 import logging
+import queue
 import sys
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
+
+import zmq
 
 from zserve import payload
 from zserve.errors import BadRequest
+from zserve.frames import pack
 from zserve.model import Model
-from zserve.protocol import Batch, BatchResult, Status
+from zserve.protocol import Batch, BatchResult, Codec, Status
 from zserve.stages.items import Failure, ResultBuilder, decode_items
 from zserve.stages.runtime import WorkerLink, run_worker
+from zserve.transport import make_socket
 
 log = logging.getLogger("zserve.engine")
 
 
+@dataclass(slots=True)
+class Job:
+    """A batch between the engine's threads: decoded inputs in, outcomes (outputs or Failures) out."""
+
+    batch: Batch
+    values: list[Any]  # predict's input: the decoded items, or a stage's prepared payload
+    positions: list[int]  # where each value's output goes in ``outcomes``
+    outcomes: list[Any]  # per item of the batch: None (pending), an output, or a Failure
+    compute_ms: float = 0.0  # predict's time: what the broker adds up as the engine's busy time
+
+
 class BatchRunner:
-    """Runs one Batch through a model's hooks. No sockets: tested directly."""
+    """Runs Batches through a model's hooks in three steps, so that an engine can run them on different
+    threads: ``decode`` (payloads, ``decode_request``), ``compute`` (``predict``), ``encode``
+    (``encode_response``, payloads, the BatchResult). ``run`` does all three in a row. No sockets."""
 
     def __init__(self, model: Model, worker_id: str) -> None:
         self.model = model
         self.worker_id = worker_id
+
+    def run(self, batch: Batch, frames: list[Any]) -> tuple[BatchResult, list[Any]]:
+        job = self.decode(batch, frames)
+        self.compute(job)
+        return self.encode(job)
+
+    def decode(self, batch: Batch, frames: list[Any]) -> Job:
+        n = len(batch.item_ids)
+        if not batch.prepared:
+            return Job(batch, *decode_items(self.model, batch, frames))
+        try:
+            value = payload.decode(frames)
+        except payload.PayloadError as exc:
+            return Job(batch, [], [], [Failure.from_exception(exc, Status.INTERNAL, "payload")] * n)
+        return Job(batch, value, list(range(n)), [None] * n)
+
+    def compute(self, job: Job) -> None:
+        if job.positions:
+            t0 = time.perf_counter()
+            outputs = self._predict(job.values, len(job.positions), splittable=not job.batch.prepared)
+            job.compute_ms = (time.perf_counter() - t0) * 1000.0
+            for i, output in zip(job.positions, outputs, strict=True):
+                if isinstance(output, BaseException):
+                    job.outcomes[i] = Failure.from_exception(output, Status.INTERNAL, "predict")
+                    if not isinstance(output, BadRequest):
+                        why = "".join(traceback.format_exception_only(output)).strip()
+                        log.error("batch %d item %d: %s", job.batch.batch_id, job.batch.item_ids[i], why)
+                else:
+                    job.outcomes[i] = output
+        job.values = []  # the inputs may hold large arrays: let them go before the encode
+
+    def encode(self, job: Job) -> tuple[BatchResult, list[Any]]:
+        result = ResultBuilder()
+        for outcome, decoded in zip(job.outcomes, job.batch.decoded, strict=True):
+            if isinstance(outcome, Failure):
+                result.failed(outcome)
+                continue
+            try:
+                result.ok(payload.encode(outcome if decoded else self.model.encode_response(outcome)))
+            except Exception as exc:
+                result.failed(Failure.from_exception(exc, Status.INTERNAL, "encode_response"))
+        return result.build(job.batch.batch_id, self.worker_id, job.compute_ms)
 
     def _predict(self, batch: Any, n: int, splittable: bool) -> list[Any]:
         """One output (or exception) per item."""
@@ -49,38 +111,71 @@ class BatchRunner:
             return [RuntimeError(f"predict returned {count} outputs for a batch of {n}")] * n
         return list(outputs)
 
-    def run(self, batch: Batch, frames: list[Any]) -> tuple[BatchResult, list[Any]]:
-        started = time.perf_counter()
-        n = len(batch.item_ids)
-        if batch.prepared:
-            outcomes: list[Any] = [None] * n
+
+class PipelinedEngine:
+    """The engine process's threads (DESIGN §5): the link's thread (it owns the DEALER) decodes each Batch
+    as it arrives; the compute thread only runs ``predict``; the output thread encodes and sends results on
+    its own PUSH. With credits >= 2 the next batch is decoded and the last one encoded and sent while
+    ``predict`` runs, so the device never waits for serialisation."""
+
+    def __init__(self, model: Model, link: WorkerLink) -> None:
+        self.runner = BatchRunner(model, link.worker_id)
+        self.link = link
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> compute thread
+        self._outbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> output thread
+        self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
+        self.failed = False  # a thread died: the process exits non-zero and the supervisor restarts it
+        self._threads = [
+            threading.Thread(target=self._guarded(self._compute_loop), name="engine-compute", daemon=True),
+            threading.Thread(target=self._guarded(self._output_loop), name="engine-output", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def run(self, batch: Batch, frames: list[Any]) -> None:
+        """On the link's thread: decode, hand over. The answer goes out from the output thread."""
+        self._inbox.put(self.runner.decode(batch, frames))
+
+    def close(self) -> None:
+        """Finish the batches held (the broker waits for them while draining), then stop."""
+        compute, output = self._threads
+        self._inbox.put(None)
+        compute.join(timeout=30)
+        self._outbox.put(None)
+        output.join(timeout=5)
+        if not output.is_alive():
+            self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
+
+    def _guarded(self, loop: Any) -> Any:
+        def run() -> None:
             try:
-                outputs = self._predict(payload.decode(frames), n, splittable=False)
-            except payload.PayloadError as exc:
-                outputs = [exc] * n
-            positions = list(range(n))
-        else:
-            values, positions, outcomes = decode_items(self.model, batch, frames)
-            outputs = self._predict(values, len(values), splittable=True) if values else []
-        for i, output in zip(positions, outputs, strict=True):
-            if isinstance(output, BaseException):
-                outcomes[i] = Failure.from_exception(output, Status.INTERNAL, "predict")
-                if not isinstance(output, BadRequest):
-                    why = "".join(traceback.format_exception_only(output)).strip()
-                    log.error("batch %d item %d: %s", batch.batch_id, batch.item_ids[i], why)
-            else:
-                outcomes[i] = output
-        result = ResultBuilder()
-        for i, outcome in enumerate(outcomes):
-            if isinstance(outcome, Failure):
-                result.failed(outcome)
-                continue
+                loop()
+            except BaseException:
+                log.critical("%s thread died; stopping the engine", threading.current_thread().name, exc_info=True)
+                self.failed = True
+                self.link.stop.set()
+
+        return run
+
+    def _compute_loop(self) -> None:
+        while (job := self._inbox.get()) is not None:
+            self.link.busy = True
             try:
-                value = outcome if batch.decoded[i] else self.model.encode_response(outcome)
-                result.ok(payload.encode(value))
-            except Exception as exc:
-                result.failed(Failure.from_exception(exc, Status.INTERNAL, "encode_response"))
-        return result.build(batch.batch_id, self.worker_id, (time.perf_counter() - started) * 1000.0)
+                self.runner.compute(job)
+            finally:
+                self.link.busy = False
+            self._outbox.put(job)
+
+    def _output_loop(self) -> None:
+        codec = Codec()
+        push = make_socket(self._ctx, zmq.PUSH, self.link.out_endpoint, bind=False, linger_ms=2000)
+        push.setsockopt(zmq.SNDTIMEO, 30_000)  # a broker gone for good must not hold the process forever
+        try:
+            while (job := self._outbox.get()) is not None:
+                result, frames = self.runner.encode(job)
+                push.send_multipart([codec.encode(result), *pack(frames)], copy=False)
+        finally:
+            push.close(linger=2000)
 
 
 def start_engine(model: Model, device: str) -> None:
@@ -94,7 +189,7 @@ def make_runner(model: Model, link: WorkerLink) -> Any:
         from zserve.stages.generate.runner import GenerationRunner
 
         return GenerationRunner(model, link)
-    return BatchRunner(model, link.worker_id)
+    return PipelinedEngine(model, link)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from zserve.config import ModelConfig
+from zserve.frames import pack, received
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
 from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
@@ -134,12 +135,12 @@ class WorkerLink:
                 if isinstance(msg, Batch):
                     self.busy = True
                     try:
-                        answer = handle(msg, frames[1:])
+                        answer = handle(msg, received(frames[1:], "the broker"))
                     finally:
                         self.busy = False
                     if answer is not None:
                         result, out = answer
-                        self.push.send_multipart([self.codec.encode(result), *out], copy=False)
+                        self.push.send_multipart([self.codec.encode(result), *pack(out)], copy=False)
                 elif isinstance(msg, Abort):
                     if on_abort is not None:
                         on_abort(msg.batch_ids)

@@ -61,6 +61,8 @@ class FrontendsConfig(_Section, kw_only=True):
     max_body_bytes: PositiveInt = 1 << 20
     graceful_timeout_s: NonNegativeFloat = 10.0
     server: Literal["gunicorn", "granian"] = "gunicorn"  # the HTTP server that runs the falcon ASGI app
+    api_keys_file: str = ""  # "" = no key file; keys may also come from ZSERVE_API_KEYS
+    auth_health: bool = False  # true: /healthz, /readyz and /metrics need a key too
 
 
 class ModelConfig(_Section, kw_only=True):
@@ -72,6 +74,10 @@ class ModelConfig(_Section, kw_only=True):
     max_queue: PositiveInt = 1024
     timeout_ms: PositiveInt = 30_000
     credits: PositiveInt = 2  # batches an engine may hold at once (2 = one running, one staged)
+    # A worker holding work that makes no progress (no result, no engine step) for this long is hung: its
+    # batches are re-dispatched and it is killed (the supervisor restarts it). None = derived: the larger
+    # of timeout_ms and 10x the slowest recent batch of the model (see README).
+    batch_timeout_s: PositiveFloat | None = None
     threads: PositiveInt = 1  # torch intra-op threads per engine
     devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
     options: dict[str, Any] = {}  # passed to the handler's constructor
@@ -194,9 +200,15 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
     client_endpoint: str
     models: list[ServedModel]
     max_body_bytes: int = 1 << 20
+    api_keys_file: str = ""  # absolute (resolved where `zserve up` runs)
+    auth_health: bool = False
+    probe_key: str = ""  # the supervisor's own key, accepted on the health routes only (its /readyz polls)
 
     @classmethod
-    def from_config(cls, config: Config, endpoints: Endpoints, staged: list[str]) -> FrontendSettings:
+    def from_config(
+        cls, config: Config, endpoints: Endpoints, staged: list[str], probe_key: str = ""
+    ) -> FrontendSettings:
+        f = config.frontends
         return cls(
             client_endpoint=endpoints.client,
             models=[
@@ -210,6 +222,9 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                 for m in config.models
             ],
             max_body_bytes=config.frontends.max_body_bytes,
+            api_keys_file=str(Path(f.api_keys_file).expanduser().resolve()) if f.api_keys_file else "",
+            auth_health=f.auth_health,
+            probe_key=probe_key,
         )
 
 

@@ -72,6 +72,34 @@ class Chunk(Msg, tag=6):
     num_tokens: int = 0  # tokens generated so far
 
 
+# Coalesced messages: every hop sends what it has for a peer in one multipart message (one header, then the
+# items' payload frames concatenated; ``frame_counts`` splits them, one count per item). A client sends all
+# requests of one event-loop (or IO-thread) turn as one Submits; the broker answers each client with one
+# Replies per batch result and one Chunks per engine step. The items are the single-message Structs above.
+
+
+class Submits(Msg, tag=7):
+    """Client -> broker: several requests. An item that does not validate fails alone (BAD_REQUEST, by its
+    req_id when it has one); the counts keep every other item's frames aligned."""
+
+    items: list[Submit]
+    frame_counts: list[int]
+
+
+class Replies(Msg, tag=8):
+    """Broker -> client: answers, each followed (in order) by its ``frame_counts[i]`` payload frames."""
+
+    items: list[Reply]
+    frame_counts: list[int]
+
+
+class Chunks(Msg, tag=9):
+    """Broker -> client: new text of streamed requests, from one engine step. Always sent before the
+    Replies that end any of them."""
+
+    items: list[Chunk]
+
+
 class HealthQuery(Msg, tag=4):
     query_id: int
 
@@ -89,15 +117,22 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     generative: bool = False
     running_sequences: int = 0  # generative: sequences held by engines (running or waiting for KV blocks)
     free_kv_blocks: int = 0  # generative: free KV blocks over all engines, from their last report
-    # For `zserve status` (appended; a broker that does not fill them sends the defaults, shown as "-"):
+    # generative, over all engines (the counters: since each engine started, the sum of their last reports)
+    kv_blocks: int = 0  # the KV pools' size, in blocks (from Hello): usage = 1 - free_kv_blocks / kv_blocks
+    engine_steps: int = 0  # engine steps run (mean step time = engine_busy_s / engine_steps)
+    batch_tokens: int = 0  # tokens forwarded in those steps (mean batch = batch_tokens / engine_steps)
+    preemptions: int = 0  # sequences preempted for KV blocks (recomputed later)
+    prompt_tokens: int = 0  # prompt tokens admitted to engines (a recomputed sequence counts again)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (hit rate = cached / prompt)
+    # For `zserve status` and /metrics:
     credits: int = 0  # engine credits over the ready engines (batches; sequences for a generative engine)
     free_credits: int = 0  # of those, not held by a batch or sequence
-    kv_blocks: int = 0  # generative: KV pool size over all engines (their Hello.kv_blocks)
-    batches: int = 0  # engine batches completed since the broker started (0 = no batch statistics)
+    batches: int = 0  # engine batches (generative: sequences) completed since the broker started
     mean_batch_size: float = 0.0  # items per engine batch, over recent batches
-    latency_p50_ms: float = 0.0  # arrival at the broker to reply sent, over recent answered requests
+    latency_p50_ms: float = 0.0  # arrival at the broker to the answer, over recent answered requests
     latency_p90_ms: float = 0.0
     latency_p99_ms: float = 0.0
+    workers_hung: int = 0  # workers found hung (no progress past batch_timeout_s) and killed, since start
 
 
 class HealthReport(Msg, tag=5):
@@ -194,13 +229,22 @@ class StepOutput(Msg, tag=27):
     free_kv_blocks: int = -1
     step_ms: float = 0.0  # compute time of the step(s) this message reports
     fields: list[str] = []  # per entry: the offending input field of a BAD_REQUEST
+    steps: int = 0  # engine steps this message reports (several when the output thread fell behind)
+    batch_tokens: int = 0  # tokens forwarded in those steps
+    # the engine's counters since it started (cumulative: the broker keeps each engine's last values)
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (a recomputed sequence counts again)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache (not computed)
 
 
 Message = (
     Submit
+    | Submits
     | Cancel
     | Reply
+    | Replies
     | Chunk
+    | Chunks
     | HealthQuery
     | HealthReport
     | Hello
@@ -214,6 +258,14 @@ Message = (
 )
 
 
+class InvalidItem(msgspec.Struct, gc=False):
+    """Not a wire type: an item of a Submits that did not validate, as ``Codec.decode`` hands it on so that
+    only this item fails. ``req_id`` is None when even that could not be read (nobody can be answered)."""
+
+    req_id: int | None
+    message: str
+
+
 class Codec:
     """Header encoder/decoder. Not thread-safe: one per thread that owns a socket."""
 
@@ -225,9 +277,37 @@ class Codec:
         return self._encoder.encode(msg)
 
     def decode(self, data: bytes | memoryview, sender: str = "?") -> Msg | None:
-        """Decode a header; a malformed one is logged with its sender and dropped (None), never raised."""
+        """Decode a header; a malformed one is logged with its sender and dropped (None), never raised. A
+        Submits whose envelope is sound but some items are not comes back with those items as InvalidItem."""
         try:
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            salvaged = _salvage_submits(data) if isinstance(exc, msgspec.ValidationError) else None
+            if salvaged is not None:
+                bad = sum(isinstance(item, InvalidItem) for item in salvaged.items)
+                log.warning("%d malformed items in a Submits from %s: %s", bad, sender, exc)
+                return salvaged
             log.warning("dropped malformed frame from %s: %s", sender, exc)
             return None
+
+
+_SUBMITS_TAG = Submits.__struct_config__.tag
+
+
+def _salvage_submits(data: bytes | memoryview) -> Submits | None:
+    """The slow path for a Submits that failed validation: validate item by item."""
+    raw = msgspec.msgpack.decode(data)
+    if not (isinstance(raw, list) and len(raw) >= 3 and raw[0] == _SUBMITS_TAG and isinstance(raw[1], list)):
+        return None
+    try:
+        counts = msgspec.convert(raw[2], list[int])
+    except msgspec.ValidationError:
+        return None
+    items: list[Submit | InvalidItem] = []
+    for entry in raw[1]:
+        try:
+            items.append(msgspec.convert(entry, Submit))
+        except msgspec.ValidationError as exc:
+            req_id = entry[1] if isinstance(entry, list) and len(entry) > 1 and type(entry[1]) is int else None
+            items.append(InvalidItem(req_id, f"malformed request: {exc}"))
+    return Submits(items, counts)  # type: ignore[arg-type]  # InvalidItem rows are for the broker only

@@ -17,6 +17,7 @@ import fcntl
 import http.client
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -108,6 +109,8 @@ class Supervisor:
         self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
         self.staged, self.generative = model_kinds(config)  # raises ConfigError
         self.children: list[Child] = []
+        # Our own key for /readyz, which needs one when [frontends] auth_health is set.
+        self.probe_key = secrets.token_urlsafe(32)
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
         f = config.frontends
         host = f"[{f.host}]" if ":" in f.host else f.host
@@ -185,7 +188,7 @@ class Supervisor:
         metrics_dir = self.run_dir / f"metrics-{self.config.frontends.port}"  # one per frontend server
         shutil.rmtree(metrics_dir, ignore_errors=True)
         metrics_dir.mkdir(mode=0o700)
-        settings = FrontendSettings.from_config(self.config, self.endpoints, self.staged)
+        settings = FrontendSettings.from_config(self.config, self.endpoints, self.staged, probe_key=self.probe_key)
         return {"ZSERVE_FRONTEND": msgspec.json.encode(settings).decode(), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
 
     def start(self, child: Child) -> None:
@@ -296,7 +299,7 @@ class Supervisor:
         f = self.config.frontends
         conn = http.client.HTTPConnection(f.host, f.port, timeout=2)
         try:
-            conn.request("GET", "/readyz")
+            conn.request("GET", "/readyz", headers={"Authorization": f"Bearer {self.probe_key}"})
             return conn.getresponse().status == 200
         except OSError:
             return False

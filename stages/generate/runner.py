@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from zserve import payload
+from zserve.frames import pack
 from zserve.generation import GenerateResponse, parse_generate_request
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.generate.detokenize import TextStream
@@ -289,4 +290,4 @@ class GenerationRunner:
             step_ms,
             [e.field for e in picked],
         )
-        return [codec.encode(header), *(f for e in picked for f in e.frames)]
+        return [codec.encode(header), *pack([f for e in picked for f in e.frames])]

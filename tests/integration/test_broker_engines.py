@@ -43,7 +43,7 @@ def one_engine(cluster_factory, delay: float):
 def test_requests_are_batched_and_each_gets_its_own_answer(cluster_factory):
     c = one_engine(cluster_factory, delay=0.05)
     client = c.client()
-    futures = [client._submit("slow", {"i": i}, None, with_meta=True) for i in range(64)]
+    futures = [client.submit("slow", {"i": i}, meta=True) for i in range(64)]
     answers = [f.result(timeout=30) for f in futures]
     assert [a.value["echo"] for a in answers] == [{"i": i} for i in range(64)]
     sizes = [a.batch_size for a in answers]
@@ -163,19 +163,26 @@ def test_malformed_frames_do_not_stop_the_broker(cluster_factory):
     assert "dropped malformed frame from client" in c.log("broker")
 
 
-def test_broker_restart_fails_pending_requests_and_engines_re_register(cluster_factory):
-    c = cluster_factory(SLOW.format(delay=2.0))
+def test_broker_restart_loses_no_accepted_request_and_engines_re_register(cluster_factory):
+    c = cluster_factory(SLOW.format(delay=1.0))
     broker = c.start_broker()
     c.start_engine("slow", 0)
     c.wait_ready({"slow": 1})
     client = c.client()
-    future = client.submit("slow", "lost")
-    time.sleep(0.2)
-    broker.send_signal(signal.SIGKILL)
-    broker.wait()
-    c.start_broker()
-    with pytest.raises(zserve.EngineLost):  # the broker restarted (or went silent): an error, never a hang
-        future.result(timeout=30)
+    futures = [client.submit("slow", f"sync {i}") for i in range(12)]
+
+    async def async_requests() -> list:
+        async with zserve.AsyncClient(c.sup.endpoints.client) as aclient:
+            tasks = [asyncio.create_task(aclient.predict("slow", f"async {i}")) for i in range(12)]
+            await asyncio.sleep(0.3)  # in flight in the broker and the engine when it dies
+            broker.send_signal(signal.SIGKILL)
+            broker.wait()
+            c.start_broker()
+            return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(async_requests())
+    assert [a["echo"] for a in answers] == [f"async {i}" for i in range(12)]  # resubmitted to the new broker
+    assert [f.result(timeout=60)["echo"] for f in futures] == [f"sync {i}" for i in range(12)]
     c.wait_ready({"slow": 1}, timeout_s=30)  # the engine noticed and registered again
     assert client.predict("slow", "again")["echo"] == "again"
     assert os.path.exists(c.run_dir)
@@ -209,3 +216,42 @@ def test_streaming_a_batch_model_is_a_clear_error(cluster_factory):
     with pytest.raises(zserve.BadRequest, match="not generative"):
         list(client.generate_stream("x", model="slow"))
     assert client.predict("slow", {"still": "served"})["echo"] == {"still": "served"}
+
+
+HANGS = """
+[broker]
+heartbeat_interval_ms = 100
+
+[[models]]
+name = "hangs"
+handler = "testmodels:Hangs"
+engines = 3
+max_batch_size = 1
+credits = 1
+batch_timeout_s = 1.0
+[models.options]
+delay_s = 0.02
+"""
+
+
+def test_a_hung_engine_is_found_killed_and_its_batch_redispatched_once(cluster_factory):
+    c = cluster_factory(HANGS)
+    c.start_broker()
+    engines = [c.start_engine("hangs", i) for i in range(3)]
+    c.wait_ready({"hangs": 3})
+    client = c.client()
+    hung = client.submit("hangs", "hang")
+    time.sleep(0.1)  # "hang" reaches an engine first
+    normal = [client.submit("hangs", i) for i in range(30)]
+    with pytest.raises(zserve.EngineLost, match="hung; gave up after 2 attempts"):
+        hung.result(timeout=30)  # its engine, then the one it was re-dispatched to, both hung
+    assert [f.result(timeout=30)["echo"] for f in normal] == list(range(30))  # nothing waits behind them
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sum(e.poll() is not None for e in engines) < 2:
+        time.sleep(0.05)
+    killed = [e for e in engines if e.poll() is not None]
+    assert len(killed) == 2 and all(e.returncode == -signal.SIGKILL for e in killed)
+    report = client.health()
+    [m] = report.models
+    assert m.workers_hung == 2 and m.ready_workers == 1
+    assert "is hung: no progress" in c.log("broker")

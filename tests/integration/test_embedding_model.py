@@ -61,3 +61,12 @@ def test_decode_request_rejects_bad_bodies_naming_the_field(model, body):
 def test_response_shape(model):
     out = model.encode_response(model.embed([model.decode_request({"text": "hi"})])[0])
     assert list(out) == ["embedding"] and len(out["embedding"]) == 384
+
+
+def test_count_tokens_equals_what_preprocess_feeds_the_model():
+    counting = SentenceEmbedding(max_length=8)  # never set up: what a frontend holds
+    texts = [*SENTENCES, "a sentence long enough to be truncated at eight tokens"]
+    reference = SentenceEmbedding(max_length=8)
+    reference.setup_preprocess()
+    assert counting.count_tokens(texts) == reference.preprocess(texts)["attention_mask"].sum(axis=1).tolist()
+    assert counting.count_tokens(["hello world"]) == [4]  # [CLS] hello world [SEP]

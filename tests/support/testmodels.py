@@ -4,6 +4,7 @@ PYTHONPATH."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -48,6 +49,16 @@ class Picky(Model):
         if output == {"ok": "unencodable"}:
             raise RuntimeError("cannot encode this one")
         return output
+
+
+class Hangs(SlowEcho):
+    """SlowEcho whose ``predict`` never returns on a batch holding the item "hang" (its heartbeat thread
+    lives on: only the broker's batch_timeout_s can tell)."""
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        if "hang" in batch:
+            threading.Event().wait()
+        return super().predict(batch)
 
 
 class Broken(Model):

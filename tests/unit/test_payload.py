@@ -43,3 +43,20 @@ def test_errors_are_typed():
         payload.decode([b"\xc1"])
     with pytest.raises(payload.PayloadError):
         payload.decode([])
+
+
+def test_frames_pack_small_ones_and_pass_large_ones_untouched():
+    import numpy as np
+
+    from zserve.frames import PACK_MAX_BYTES, FrameError, pack, received, unpack
+
+    big = np.arange(PACK_MAX_BYTES, dtype=np.uint8)
+    frames = [b"ab", b"", memoryview(big), b"xyz"]
+    wire = pack(frames)
+    assert len(wire) == 3 and wire[2] is frames[2]  # the large frame is not copied
+    assert [bytes(f) for f in unpack(wire)] == [bytes(f) for f in frames]
+    assert pack([]) == [] and unpack([]) == []
+    for bad in ([wire[0]], [wire[0], wire[1]], [b"\x01\x02\x03", b""], [wire[0], wire[1] + b"!", wire[2]]):
+        with pytest.raises(FrameError):
+            unpack(bad)
+    assert received([b"\x01"], "test") == []  # a receiver reads a malformed payload as none

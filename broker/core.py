@@ -1,0 +1,686 @@
+"""The broker core: the whole request lifecycle, pure. No sockets and no clock of its own: every handler
+takes ``now`` (seconds) and a decoded message, and what it has to send accumulates until ``flush()``
+returns it, addressed: so the tests drive it with a fake clock, and the process shell (``broker.py``) only
+polls, decodes, sends and handles signals.
+
+Coalescing: everything for one client that arises between two flushes (all answers of a batch result, the
+chunks of an engine step, refusals of a Submits) leaves as one ``Chunks`` and one ``Replies`` message, in
+that order, so a streamed request's last text always arrives before its Reply.
+
+Generative models (a handler with ``generative = True``) are batched inside their engines, at every step:
+here each sequence is a batch of one, admitted to the least-loaded engine with a free running slot (its
+credits are its ``max_running``). A cancel, a passed deadline or a client that is gone aborts the sequence
+in its engine at once.
+
+A worker that holds work but makes no progress (no result, no engine step) for its model's
+``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
+dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, and the
+shell is asked to kill it (``take_kills``) so that its supervisor starts a fresh one.
+
+Multi-item messages from workers are length-checked: items a worker did not account for (too few statuses,
+too few frames) are answered INTERNAL at once, never left to time out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zserve.broker.requests import Request, RequestTable
+from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
+from zserve.broker.stats import ModelStats
+from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, Worker, WorkerPool
+from zserve.config import Config
+from zserve.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Batch,
+    BatchResult,
+    Cancel,
+    Chunk,
+    Chunks,
+    HealthQuery,
+    HealthReport,
+    Heartbeat,
+    Hello,
+    InvalidItem,
+    ModelHealth,
+    Msg,
+    Replies,
+    Reply,
+    Reset,
+    Shutdown,
+    Status,
+    StepOutput,
+    Submit,
+    Submits,
+)
+
+log = logging.getLogger("zserve.broker")
+
+
+@dataclass(slots=True)
+class ClientSend:
+    """A message for the client ROUTER: ``header`` (to encode) and payload ``frames``, for ``identity``."""
+
+    identity: bytes
+    header: Msg
+    frames: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkSend:
+    """A message for the work ROUTER. ``batch_id`` is the Batch it carries (0 for control messages), so
+    that the shell can say which batches never reached a worker it could not send to."""
+
+    worker_id: bytes
+    header: Msg
+    frames: list[Any] = field(default_factory=list)
+    batch_id: int = 0
+
+
+class _ClientOut:
+    """What one client gets at the next flush."""
+
+    __slots__ = ("chunks", "counts", "frames", "replies")
+
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+        self.replies: list[Reply] = []
+        self.counts: list[int] = []
+        self.frames: list[Any] = []
+
+
+class BrokerCore:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        epoch: int,
+        first_batch_id: int = 1,
+        staged: frozenset[str] = frozenset(),
+        generative: frozenset[str] = frozenset(),
+    ) -> None:
+        self.config = config
+        self.epoch = epoch
+        b = config.broker
+        self.interval_s = b.heartbeat_interval_ms / 1000.0
+        self.max_redispatch = b.max_redispatch
+        self.pool = WorkerPool(liveness_s=self.interval_s * b.heartbeat_liveness)
+        self.generative = generative
+        self.scheduler = Scheduler(
+            {
+                # a generative request is one sequence, sent the moment an engine has a free slot
+                m.name: BatchPolicy(1, 0.0, m.max_queue)
+                if m.name in generative
+                else BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue)
+                for m in config.models
+            },
+            self.pool,
+            staged,
+            first_batch_id=first_batch_id,
+        )
+        self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
+        self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
+        self.stats = {m.name: ModelStats() for m in config.models}
+        self._batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}  # None: derived
+        self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
+        self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
+        self.requests = RequestTable()
+        self.draining_since: float | None = None
+        self._last_heartbeat_s = float("-inf")
+        self._to_clients: dict[bytes, _ClientOut] = {}
+        self._client_misc: list[ClientSend] = []
+        self._to_work: list[WorkSend] = []
+
+    # ---- output ----
+
+    def flush(self) -> tuple[list[ClientSend], list[WorkSend]]:
+        """Everything to send since the last flush: per client at most one Chunks then one Replies (then
+        health reports), and the work messages in the order they arose."""
+        clients: list[ClientSend] = []
+        for identity, out in self._to_clients.items():
+            if out.chunks:
+                clients.append(ClientSend(identity, Chunks(out.chunks)))
+            if out.replies:
+                clients.append(ClientSend(identity, Replies(out.replies, out.counts), out.frames))
+        clients += self._client_misc
+        work = self._to_work
+        self._to_clients, self._client_misc, self._to_work = {}, [], []
+        return clients, work
+
+    def _out(self, identity: bytes) -> _ClientOut:
+        out = self._to_clients.get(identity)
+        if out is None:
+            out = self._to_clients[identity] = _ClientOut()
+        return out
+
+    def _answer(self, identity: bytes, reply: Reply, frames: list[Any] | tuple[()] = ()) -> None:
+        out = self._out(identity)
+        out.replies.append(reply)
+        out.counts.append(len(frames))
+        out.frames.extend(frames)
+
+    def _reply(
+        self, request: Request, status: Status, message: str = "", frames: list[Any] | tuple[()] = (), **fields: Any
+    ) -> None:
+        """The request's one answer (``fields``: the rest of Reply), and its removal from the table."""
+        self.requests.pop(request.item_id)
+        self._answer(request.client, Reply(request.req_id, status, message, **fields), frames)
+
+    def _to_worker(self, worker_id: bytes, header: Msg, frames: list[Any] | None = None, batch_id: int = 0) -> None:
+        self._to_work.append(WorkSend(worker_id, header, frames or [], batch_id))
+
+    # ---- clients ----
+
+    def on_client(self, identity: bytes, msg: Msg, frames: list[Any], now: float) -> None:
+        if isinstance(msg, Submits):
+            self.on_submits(identity, msg.items, msg.frame_counts, frames, now)
+        elif isinstance(msg, Cancel):
+            request = self.requests.find(identity, msg.req_id)
+            if request is not None:
+                self._drop(request)
+                self._reply(request, Status.CANCELLED, "cancelled by the client")
+        elif isinstance(msg, HealthQuery):
+            self._client_misc.append(ClientSend(identity, self.health(msg.query_id)))
+        else:
+            log.warning("unexpected %s from client %r", type(msg).__name__, identity)
+
+    def on_submits(
+        self,
+        identity: bytes,
+        items: list[Submit | InvalidItem],
+        frame_counts: list[int],
+        frames: list[Any],
+        now: float,
+    ) -> None:
+        if len(frame_counts) != len(items) or sum(frame_counts) != len(frames) or min(frame_counts, default=0) < 0:
+            why = f"a Submits of {len(items)} items with {len(frame_counts)} frame counts and {len(frames)} frames"
+            log.warning("client %r sent %s", identity, why)
+            for item in items:
+                if item.req_id is not None:
+                    self._answer(identity, Reply(item.req_id, Status.BAD_REQUEST, f"malformed message: {why}"))
+            return
+        # The hot path of every request: locals, no helper calls unless something is wrong.
+        timeouts_s = self.timeouts_s
+        generative = self.generative
+        add = self.requests.add
+        submit = self.scheduler.submit
+        draining = self.draining_since is not None
+        offset = 0
+        for item, count in zip(items, frame_counts, strict=True):
+            payload = frames[offset : offset + count]
+            offset += count
+            model = item.model if type(item) is Submit else None
+            if model is None:
+                if item.req_id is not None:
+                    self._answer(identity, Reply(item.req_id, Status.BAD_REQUEST, item.message))
+                continue
+            timeout_s = timeouts_s.get(model)
+            if draining or timeout_s is None or not count or (item.stream and model not in generative):
+                self._refuse(identity, item, count)
+                continue
+            if item.timeout_ms > 0:
+                timeout_s = item.timeout_ms / 1000.0
+            request = add(identity, item.req_id, model, payload, item.decoded, now, timeout_s, item.stream)
+            if request is None:  # a client resubmitting what it believes lost: the first one answers
+                log.info("client %r resubmitted request %d, which is pending: ignored", identity, item.req_id)
+            elif submit(model, request.item_id, now) is Admission.OVERLOADED:
+                self.requests.pop(request.item_id)
+                depth = self.scheduler.depth(model)
+                message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
+                self._answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
+
+    def _refuse(self, identity: bytes, item: Submit, count: int) -> None:
+        if self.draining_since is not None:
+            status, message = Status.SHUTTING_DOWN, "the server is shutting down"
+        elif item.model not in self.timeouts_s:
+            status, message = Status.UNKNOWN_MODEL, f"no model named {item.model!r}; serving {sorted(self.timeouts_s)}"
+        elif not count:
+            status, message = Status.BAD_REQUEST, "the request has no payload"
+        else:
+            status, message = Status.BAD_REQUEST, f"model {item.model!r} is not generative: nothing to stream"
+        self._answer(identity, Reply(item.req_id, status, message))
+
+    def client_unreachable(self, identity: bytes) -> None:
+        """The shell could not send to this client (its socket is gone): stop working for it. Queued requests
+        are dropped, sequences aborted; a batch in flight is still computed and its result dropped."""
+        requests = self.requests.of_client(identity)
+        if requests:
+            log.info("client %r is gone: dropping its %d pending requests", identity, len(requests))
+        for request in requests:
+            self._drop(request)
+            self.requests.pop(request.item_id)
+
+    def _drop(self, request: Request) -> None:
+        """Take a request out of the queue, or abort its sequence in its engine."""
+        self.scheduler.remove(request.model, request.item_id)
+        if request.model in self.generative and request.batch_id:
+            batch = self.pool.finish(request.batch_id)  # the engine's slot is free again now
+            if batch is not None:
+                self._to_worker(batch.worker_id, Abort([request.batch_id]))
+
+    # ---- workers: registration ----
+
+    def on_work(self, identity: bytes, msg: Msg, now: float) -> None:
+        if not isinstance(msg, Hello):
+            log.warning("unexpected %s from worker %r", type(msg).__name__, identity)
+            return
+        if msg.protocol != PROTOCOL_VERSION:
+            log.error("worker %s speaks protocol %d, not %d: ignored", msg.worker, msg.protocol, PROTOCOL_VERSION)
+            return
+        if identity in self._hung:
+            log.warning("worker %s was found hung: its Hello is ignored (it is being replaced)", msg.worker)
+            return
+        unknown = [m for m in msg.models if m not in self.timeouts_s]
+        if unknown:
+            log.error("worker %s serves unknown models %s: ignored", msg.worker, unknown)
+            return
+        orphans = self.pool.register(
+            identity,
+            name=msg.worker,
+            pid=msg.pid,
+            role=msg.role,
+            models=msg.models,
+            credits=msg.credits,
+            now=now,
+            kv_blocks=msg.kv_blocks,
+        )
+        self._fail_batches(orphans, f"worker {msg.worker} restarted")
+        log.info("worker %s ready: %s %s, %d credits", msg.worker, msg.role, ",".join(msg.models), msg.credits)
+        self._to_worker(identity, Heartbeat("broker"))  # the welcome
+
+    def worker_unreachable(self, worker_id: bytes, undelivered: Iterable[int] = ()) -> None:
+        """The shell could not send to this worker: forget it. ``undelivered`` batches (of this flush) never
+        reached it and go back to their queues untouched; what it held before is re-dispatched or failed."""
+        worker = self.pool.workers.get(worker_id)
+        if worker is None:
+            return
+        undelivered = set(undelivered)
+        batches = self.pool.remove(worker_id)
+        log.warning("worker %s (pid %d) disconnected, held %d batches", worker.name, worker.pid, len(batches))
+        for batch in batches:
+            if batch.batch_id in undelivered:
+                self._requeue(batch.model, batch.item_ids)
+        self._fail_batches([b for b in batches if b.batch_id not in undelivered], f"worker {worker.name} disconnected")
+
+    def _requeue(self, model: str, item_ids: list[int]) -> None:
+        """Back to the head of the queue, in order, without counting an attempt (a prepared batch is
+        preprocessed again)."""
+        for item_id in reversed(item_ids):
+            request = self.requests.get(item_id)
+            if request is not None:
+                request.batch_id = 0
+                self.scheduler.requeue(model, item_id, request.arrived_s)
+
+    def _fail_batches(self, batches: list[InFlightBatch], why: str) -> None:
+        """Batches lost with their worker: re-dispatch each item ``max_redispatch`` times, then answer
+        ENGINE_LOST."""
+        for batch in batches:
+            for item_id in reversed(batch.item_ids):  # each goes back to the head: reversed keeps their order
+                request = self.requests.get(item_id)
+                if request is None:
+                    continue
+                request.attempts += 1
+                request.batch_id = 0
+                if request.chunks_sent:  # part of its text is out: a second run would repeat it
+                    self._reply(request, Status.ENGINE_LOST, f"{why} while streaming; the text so far is all there is")
+                elif request.attempts > self.max_redispatch:
+                    self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
+                else:
+                    self.scheduler.requeue(request.model, item_id, request.arrived_s)
+
+    # ---- workers: results ----
+
+    def on_out(self, msg: Msg, frames: list[Any], now: float) -> None:
+        if isinstance(msg, StepOutput):
+            self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
+            self.on_step(msg, frames, now)
+        elif isinstance(msg, BatchResult):
+            self.pool.seen(msg.worker.encode(), now)
+            self.on_result(msg, frames, now)
+        elif isinstance(msg, Heartbeat):
+            worker_id = msg.sender.encode()
+            known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
+            if not known and worker_id not in self._hung:
+                self._to_worker(worker_id, Reset("unknown worker"))
+        else:
+            log.warning("unexpected %s on the out socket", type(msg).__name__)
+
+    def _add_busy(self, model: str, role: str, ms: float) -> None:
+        key = (model, role)
+        self.busy_s[key] = self.busy_s.get(key, 0.0) + ms / 1000.0
+
+    def on_result(self, msg: BatchResult, frames: list[Any], now: float) -> None:
+        batch = self.pool.finish(msg.batch_id)
+        if batch is None:
+            log.info("dropped late result of batch %d from %s", msg.batch_id, msg.worker)
+            return
+        self._add_busy(batch.model, batch.role, msg.compute_ms)
+        self.pool.progressed(batch.worker_id, now)
+        n = len(batch.item_ids)
+        if batch.role == ENGINE:
+            self.stats[batch.model].batch_done(n, msg.compute_ms / 1000.0)
+            if _accounts_for(n, len(frames), msg):
+                return self._answer_batch(batch, msg, frames, now)
+        payload_frames = len(frames) - msg.prepared_frames if batch.role == PREPROCESS else len(frames)
+        rows, missing = _rows(n, payload_frames, msg.statuses, msg.messages, msg.fields, msg.frame_counts)
+        if missing:
+            why = "batch %d from %s accounts for %d of its %d items: the rest fail"
+            log.error(why, msg.batch_id, msg.worker, n - missing, n)
+        if batch.role == PREPROCESS:
+            return self._on_preprocessed(batch, msg, frames, rows)
+        for item_id, row in zip(batch.item_ids, rows, strict=True):
+            request = self.requests.get(item_id)
+            if request is None or request.batch_id != msg.batch_id:
+                continue  # answered already (deadline, cancel)
+            if row is None:
+                self._reply(request, Status.INTERNAL, f"worker {msg.worker} returned no result for this item")
+            else:
+                status, message, field_name, start, stop = row
+                queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
+                fields = {"field": field_name, "batch_size": n, "queue_ms": queue_ms, "compute_ms": msg.compute_ms}
+                self._reply(request, status, message, frames[start:stop], **fields)
+
+    def _answer_batch(self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], now: float) -> None:
+        """The hot path of every result: an engine's BatchResult that accounts for every item."""
+        answered = self.stats[batch.model].latencies_s.append
+        by_id = self.requests.by_id
+        pop = self.requests.pop
+        to_clients = self._to_clients
+        batch_id, size, compute_ms = msg.batch_id, len(batch.item_ids), msg.compute_ms
+        offset = 0
+        for item_id, status, message, field_name, count in zip(
+            batch.item_ids, msg.statuses, msg.messages, msg.fields, msg.frame_counts, strict=True
+        ):
+            start = offset
+            offset += count
+            request = by_id.get(item_id)
+            if request is None or request.batch_id != batch_id:
+                continue  # answered already (deadline, cancel)
+            pop(item_id)
+            answered(now - request.arrived_s)
+            queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
+            out = to_clients.get(request.client) or self._out(request.client)
+            out.replies.append(Reply(request.req_id, status, message, field_name, size, queue_ms, compute_ms))
+            out.counts.append(count)
+            if count:
+                out.frames += frames[start:offset]
+
+    def _on_preprocessed(
+        self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], rows: list[_Row | None]
+    ) -> None:
+        """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines.
+        Every OK item stays in the prepared batch, even one answered meanwhile (cancel, deadline): the payload
+        holds its rows, so the engine must get as many ids as rows; its result is dropped."""
+        ready: list[int] = []
+        for item_id, row in zip(batch.item_ids, rows, strict=True):
+            request = self.requests.get(item_id)
+            if row is not None and row[0] == Status.OK:
+                ready.append(item_id)
+                if request is not None:
+                    request.batch_id = 0  # waiting for an engine
+            elif request is not None:
+                status, message, field_name = row[:3] if row is not None else (Status.INTERNAL, "", "")
+                message = message or f"preprocess stage {msg.worker} returned no result for this item"
+                self._reply(request, status, message, field=field_name, batch_size=len(batch.item_ids))
+        if ready and msg.prepared_frames:
+            self.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
+
+    def on_step(self, msg: StepOutput, frames: list[Any], now: float) -> None:
+        """A generative engine's step: stream each sequence's new text, answer the finished ones."""
+        worker_id = msg.worker.encode()
+        worker = self.pool.workers.get(worker_id)
+        if worker is not None and worker.models:
+            self._add_busy(worker.models[0], ENGINE, msg.step_ms)
+            self.pool.progressed(worker_id, now)
+            stats = self.stats[worker.models[0]]
+            stats.slowest_batch_s = max(stats.slowest_batch_s, msg.step_ms / 1000.0 / max(1, msg.steps))
+            stats.engine_steps += msg.steps
+            stats.batch_tokens += msg.batch_tokens
+            worker.preemptions = msg.preemptions
+            worker.prompt_tokens = msg.prompt_tokens
+            worker.cached_prompt_tokens = msg.cached_prompt_tokens
+        fields = msg.fields or [""] * len(msg.batch_ids)
+        n = len(msg.batch_ids)
+        rows, _ = _rows(n, len(frames), msg.statuses, msg.messages, fields, msg.frame_counts)
+        complete = min(len(msg.texts), len(msg.num_tokens), len(msg.finished))
+        for i, batch_id in enumerate(msg.batch_ids):
+            batch = self.pool.batch(batch_id)
+            if batch is None or batch.worker_id != worker_id:
+                continue  # aborted here already (cancel, deadline), its engine was declared lost, or stale
+            request = self.requests.get(batch.item_ids[0])
+            row = rows[i]
+            if row is None or i >= complete:
+                log.error("step output from %s is missing fields for batch %d: it fails", msg.worker, batch_id)
+                self.pool.finish(batch_id)
+                self._to_worker(worker_id, Abort([batch_id]))
+                if request is not None and request.batch_id == batch_id:
+                    self._reply(request, Status.INTERNAL, f"engine {msg.worker} sent a malformed step output")
+                continue
+            finished = msg.finished[i]
+            if finished:
+                self.pool.finish(batch_id)
+            if request is None or request.batch_id != batch_id:
+                continue
+            text = msg.texts[i]
+            if text and request.stream:
+                request.chunks_sent += 1
+                self._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i]))
+            if finished:
+                status, message, field_name, start, stop = row
+                stats = self.stats[request.model]
+                stats.latencies_s.append(now - request.arrived_s)
+                stats.batch_done(1)
+                self._reply(
+                    request,
+                    status,
+                    message,
+                    frames[start:stop],
+                    field=field_name,
+                    batch_size=1,
+                    queue_ms=(request.dispatched_s - request.arrived_s) * 1000.0,
+                )
+
+    # ---- time ----
+
+    def tick(self, now: float) -> None:
+        """Deadlines, worker liveness, heartbeats to workers, then dispatch of every batch that is ready."""
+        for request in self.requests.expired(now):
+            self._drop(request)
+            waited = "in the queue" if request.batch_id == 0 else "in a worker"
+            self._reply(
+                request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}"
+            )
+        for worker, batches in self.pool.expire(now):
+            log.warning(
+                "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
+            )
+            self._fail_batches(batches, f"worker {worker.name} was lost")
+        for worker in self.pool.hung(now, {m: self.batch_timeout_s(m) for m in self.timeouts_s}):
+            self._hang(worker, now)
+        if now - self._last_heartbeat_s >= self.interval_s:
+            self._last_heartbeat_s = now
+            beat = Heartbeat("broker")
+            for worker_id in self.pool.workers:
+                self._to_worker(worker_id, beat)
+        self.dispatch(now)
+
+    def batch_timeout_s(self, model: str) -> float:
+        """How long a worker of ``model`` may hold work without progress before it counts as hung."""
+        configured = self._batch_timeouts_s[model]
+        if configured is not None:
+            return configured
+        return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
+
+    def _hang(self, worker: Worker, now: float) -> None:
+        model = worker.models[0]
+        stuck_s = now - worker.progress_s
+        log.error(
+            "worker %s (pid %d) is hung: no progress for %.1fs (batch_timeout_s %.1f); re-dispatching its "
+            "%d batches and replacing it", worker.name, worker.pid, stuck_s, self.batch_timeout_s(model),
+            len(worker.in_flight),
+        )  # fmt: skip
+        self.stats[model].workers_hung += 1
+        self._hung[worker.worker_id] = None
+        if len(self._hung) > 1024:
+            del self._hung[next(iter(self._hung))]
+        self._kills.append((worker.pid, worker.name))
+        self._fail_batches(self.pool.remove(worker.worker_id), f"worker {worker.name} hung")
+
+    def take_kills(self) -> list[tuple[int, str]]:
+        """Hung workers to kill: (pid, the name it registered with)."""
+        kills, self._kills = self._kills, []
+        return kills
+
+    def dispatch(self, now: float) -> None:
+        for d in self.scheduler.pop_batches(now):
+            if d.prepared is not None:
+                header, frames = self._prepared_batch(d)
+            else:
+                header, frames = self._batch(d, now)
+            self._to_worker(d.worker.worker_id, header, frames, d.batch_id)
+
+    def _batch(self, d: Dispatch, now: float) -> tuple[Batch, list[Any]]:
+        # Aligned with d.item_ids (results are matched by position). An item answered meanwhile cannot be
+        # here, but if it were it would travel without payload and fail alone.
+        get = self.requests.by_id.get
+        frames: list[Any] = []
+        counts: list[int] = []
+        decoded: list[bool] = []
+        streams: list[bool] = []
+        batch_id = d.batch_id
+        for item_id in d.item_ids:
+            r = get(item_id)
+            if r is None:
+                counts.append(0)
+                decoded.append(True)
+                streams.append(False)
+                continue
+            r.batch_id = batch_id
+            r.dispatched_s = now
+            frames += r.frames
+            counts.append(len(r.frames))
+            decoded.append(r.decoded)
+            streams.append(r.stream)
+        stream = streams if d.model in self.generative else []
+        return Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream), frames
+
+    def _prepared_batch(self, d: Dispatch) -> tuple[Batch, list[Any]]:
+        decoded = []
+        for item_id in d.item_ids:
+            request = self.requests.get(item_id)
+            if request is not None:  # answered meanwhile (deadline, cancel): computed, its result dropped
+                request.batch_id = d.batch_id
+            decoded.append(request.decoded if request is not None else True)
+        frames = d.prepared.frames
+        return Batch(d.batch_id, d.model, d.item_ids, [len(frames)], decoded, prepared=True), list(frames)
+
+    def next_wakeup_s(self, now: float) -> float:
+        """Seconds until ``tick`` has something to do without a new message: a batching window closing, a
+        deadline, the next heartbeat."""
+        wake = max(0.0, self._last_heartbeat_s + self.interval_s - now)
+        batching = self.scheduler.next_wakeup_s(now)
+        if batching is not None:
+            wake = min(wake, batching)
+        deadline = self.requests.next_deadline_s()
+        if deadline is not None:
+            wake = min(wake, max(0.0, deadline - now))
+        return wake
+
+    # ---- health and stopping ----
+
+    def health(self, query_id: int) -> HealthReport:
+        return HealthReport(
+            query_id,
+            self.epoch,
+            self.draining_since is not None,
+            [self._model_health(m.name) for m in self.config.models],
+        )
+
+    def _model_health(self, name: str) -> ModelHealth:
+        pool, stats = self.pool, self.stats[name]
+        engines = pool.engines(name)
+        generative = name in self.generative
+        p50, p90, p99 = stats.latency_ms(0.5, 0.9, 0.99)
+        return ModelHealth(
+            name,
+            ready_workers=len(engines),
+            queue_depth=self.scheduler.depth(name),
+            in_flight=pool.in_flight_items(name),
+            busy_workers=pool.busy_count(name),
+            preprocess_workers=pool.ready_count(name, PREPROCESS),
+            prepared_depth=self.scheduler.prepared_depth(name),
+            engine_busy_s=self.busy_s.get((name, ENGINE), 0.0),
+            preprocess_busy_s=self.busy_s.get((name, PREPROCESS), 0.0),
+            generative=generative,
+            running_sequences=pool.in_flight_items(name) if generative else 0,
+            free_kv_blocks=sum(w.free_kv_blocks for w in engines),
+            kv_blocks=sum(w.kv_blocks for w in engines),
+            engine_steps=stats.engine_steps,
+            batch_tokens=stats.batch_tokens,
+            preemptions=sum(w.preemptions for w in engines),
+            prompt_tokens=sum(w.prompt_tokens for w in engines),
+            cached_prompt_tokens=sum(w.cached_prompt_tokens for w in engines),
+            credits=sum(w.credits for w in engines),
+            free_credits=sum(w.free_credits for w in engines),
+            batches=stats.batches,
+            mean_batch_size=stats.mean_batch_size(),
+            latency_p50_ms=p50,
+            latency_p90_ms=p90,
+            latency_p99_ms=p99,
+            workers_hung=stats.workers_hung,
+        )
+
+    def start_draining(self, now: float) -> None:
+        if self.draining_since is None:
+            self.draining_since = now
+            log.info("draining: %d requests to finish, refusing new ones", len(self.requests))
+
+    def drained(self, now: float) -> bool:
+        """Draining and done: nothing pending, or the drain timeout passed."""
+        return self.draining_since is not None and (
+            not self.requests or now - self.draining_since > self.config.broker.drain_timeout_s
+        )
+
+    def shut_down(self) -> None:
+        """Answer whatever is still pending and tell every worker to exit (then ``flush``)."""
+        for request in self.requests.all():
+            self._reply(request, Status.SHUTTING_DOWN, "the server shut down before this request finished")
+        for worker_id in self.pool.workers:
+            self._to_worker(worker_id, Shutdown("broker stopping"))
+
+
+def _accounts_for(n: int, n_frames: int, msg: BatchResult) -> bool:
+    """Whether a worker's result has a status, message, field and frame count for each of ``n`` items, and
+    exactly the frames those counts add up to."""
+    counts = msg.frame_counts
+    return (
+        len(msg.statuses) == len(msg.messages) == len(msg.fields) == len(counts) == n
+        and sum(counts) == n_frames
+        and min(counts, default=0) >= 0
+    )
+
+
+_Row = tuple[Status, str, str, int, int]  # status, message, field, first frame, end frame
+
+
+def _rows(
+    n: int, n_frames: int, statuses: list[Status], messages: list[str], fields: list[str], counts: list[int]
+) -> tuple[list[_Row | None], int]:
+    """Per item of a worker's multi-item message: its status, message, field and frame range; None where
+    the message does not account for the item (a list too short, frames missing). Also: how many are None."""
+    rows: list[_Row | None] = []
+    offset = 0
+    for i in range(n):
+        if i >= len(statuses) or i >= len(messages) or i >= len(fields) or i >= len(counts):
+            break
+        count = counts[i]
+        if count < 0 or offset + count > n_frames:
+            break
+        rows.append((statuses[i], messages[i], fields[i], offset, offset + count))
+        offset += count
+    missing = n - len(rows)
+    return rows + [None] * missing, missing

@@ -1,0 +1,266 @@
+"""The HTTP API's bodies as msgspec Structs: the routes decode requests and build responses with them, and
+``/openapi.json`` is generated from them (``zserve.frontends.openapi``), so the two cannot drift apart.
+
+The OpenAI request types check the JSON types of the fields; what a field may hold beyond its type (a
+sampling range, a prompt within the context) is checked where it was before (``GenerateRequest``, the
+engine), with the same field names in the error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from zserve.errors import BadRequest
+
+T = TypeVar("T")
+# Sampling seeds and token counts travel to torch as int64.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+def decode_body(body: Any, type_: type[T]) -> T:
+    """``body`` (parsed JSON) as ``type_``; a wrong type is a ``BadRequest`` naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object", field="body")
+    try:
+        return msgspec.convert(body, type_)
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).partition(" - at `$.")
+        field = where.rstrip("`").split("[", 1)[0].split(".", 1)[0]
+        if "missing required field `" in message:
+            field = message.split("`")[1]
+        raise BadRequest(message, field=field or "body") from None
+
+
+# Errors.
+
+
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
+    type: str
+    message: str
+    field: str | None = None  # the request field at fault, when there is one
+
+
+class Error(msgspec.Struct):
+    """Every error of the native routes, /mii and the health routes."""
+
+    error: ErrorDetail
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str  # invalid_request_error | authentication_error | overloaded_error | server_error
+    param: str | None  # the request field at fault
+    code: str | None  # our error type (model_not_found, invalid_api_key, ...)
+
+
+class OpenAIError(msgspec.Struct):
+    """Every error of /v1/completions, /v1/chat/completions and /v1/embeddings."""
+
+    error: OpenAIErrorDetail
+
+
+# Models and health.
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    handler: str  # "module:Class"
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Live(msgspec.Struct):
+    status: Literal["ok"]
+
+
+class Ready(msgspec.Struct):
+    status: Literal["ready"]
+    engines: dict[str, int]  # ready engines per model
+    preprocess_workers: dict[str, int]  # stage processes per model with a preprocess stage
+
+
+# OpenAI generation.
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
+    does. Refused unless neutral (400 naming the field): n > 1, logprobs, echo, best_of, suffix,
+    logit_bias, penalties, tools, response_format."""
+
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM's extensions
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 = off
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatContentPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str = ""
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    tools: list[Any] | None = None
+    response_format: Any | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None  # "stop" | "length"; null in a stream's text chunks
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    """A /v1/completions answer; with ``stream: true`` each Server-Sent Event's data is one of these
+    (``usage`` only in the last, with ``stream_options.include_usage``), then ``[DONE]``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    """One Server-Sent Event of /v1/chat/completions with ``stream: true`` (then ``[DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# DeepSpeed-MII.
+
+
+class MiiRequest(msgspec.Struct, kw_only=True):
+    """``POST /mii/{deployment}``: the prompts, MII's options, and the native generate body's sampling
+    options (as in ``GenerateRequest``; any other field is refused by it, naming the field)."""
+
+    prompts: str | list[str]
+    do_sample: bool | None = None  # MII's default: true, with top_p 0.9
+    stream: bool | None = None  # ignored: MII's REST answer is never streamed
+    return_full_text: bool | None = None  # ignored
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_length: Annotated[int, Meta(ge=1)] | None = None  # prompt + generated; default 1024
+    min_new_tokens: Annotated[int, Meta(ge=0)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    ignore_eos: bool | None = None
+
+
+# OpenAI embeddings.
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | Annotated[list[str], Meta(min_length=1)]  # token-id inputs are not supported
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None  # not supported: the model's own size
+    user: str | None = None
+
+
+class Embedding(msgspec.Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 with encoding_format=base64
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -1,0 +1,117 @@
+"""API keys: ``Authorization: Bearer KEY`` (what the OpenAI client sends) on every route but the health ones.
+
+Keys come from ``[frontends] api_keys_file`` (one key per line, ``#`` comment lines; each worker reads it
+again on SIGHUP) and from ``ZSERVE_API_KEYS`` (comma separated). With neither, the API is open. A key is
+compared with every accepted key by ``hmac.compare_digest``, with no early exit, so the answer's timing says
+nothing about how much of a key was right. Keys are never logged: log lines name the file and a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+from typing import Any
+
+import falcon.asgi
+
+from zserve.frontends.resources import error_writer
+
+log = logging.getLogger("zserve.frontend")
+
+HEALTH_PATHS = ("/healthz", "/readyz", "/metrics")
+ENV_VAR = "ZSERVE_API_KEYS"
+
+
+def read_keys_file(path: str) -> list[bytes]:
+    """The keys in ``path``: one per line, blank lines and lines starting with ``#`` skipped. Raises
+    ``OSError`` if the file cannot be read, ``ValueError`` (naming the line, not the key) for a line with
+    whitespace inside."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    keys = []
+    for number, line in enumerate(lines, 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if len(key.split()) != 1:
+            raise ValueError(f"{path}:{number}: a key must not contain whitespace")
+        keys.append(key.encode())
+    return keys
+
+
+def env_keys(value: str | None) -> list[bytes]:
+    return [k.strip().encode() for k in (value or "").split(",") if k.strip()]
+
+
+class ApiKeys:
+    """The keys a worker accepts: the file's (replaced by ``reload``) plus the environment's."""
+
+    def __init__(self, path: str, from_env: list[bytes]) -> None:
+        self.path = path
+        self.from_env = from_env
+        try:
+            self.from_file: list[bytes] = read_keys_file(path) if path else []
+        except OSError as exc:
+            raise RuntimeError(f"[frontends] api_keys_file: cannot read {path}: {exc.strerror}") from None
+        if path and not self.from_file:
+            log.warning("api_keys_file %s holds no key: every request needs one, so all are refused", path)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.from_env)
+
+    def reload(self) -> None:
+        """Read the file again; on an error keep the keys in force (a half-written file locks nobody out)."""
+        try:
+            keys = read_keys_file(self.path)
+        except (OSError, ValueError) as exc:
+            log.error("api_keys_file not reloaded, the previous keys stay in force: %s", exc)
+            return
+        self.from_file = keys
+        log.info("api_keys_file %s reloaded: %d keys", self.path, len(keys))
+
+    def allows(self, authorization: str | None, also: tuple[bytes, ...] = ()) -> bool:
+        """Whether ``authorization`` is ``Bearer KEY`` with an accepted key (or one of ``also``)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        given = token.strip().encode()
+        ok = False
+        for key in (*self.from_file, *self.from_env, *also):
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+
+class RequireApiKey:
+    """falcon middleware: a request without an accepted key gets 401 in its route's error shape."""
+
+    def __init__(self, keys: ApiKeys, auth_health: bool, probe_key: str = "") -> None:
+        self.keys = keys
+        self.open_paths = () if auth_health else HEALTH_PATHS
+        self.probe_keys = (probe_key.encode(),) if probe_key else ()
+
+    async def process_startup(self, scope: Any, event: Any) -> None:
+        # In the worker's running loop (gunicorn's asgi worker runs the lifespan protocol): SIGHUP's
+        # default action would end the worker, so it is taken over here.
+        if self.keys.path:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.keys.reload)
+
+    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if req.path in self.open_paths:
+            return
+        also = self.probe_keys if req.path in HEALTH_PATHS else ()
+        if self.keys.allows(req.get_header("Authorization"), also):
+            return
+        has_header = req.get_header("Authorization") is not None
+        message = "invalid API key" if has_header else "an API key is required: send `Authorization: Bearer KEY`"
+        error_writer(req.path)(resp, 401, "invalid_api_key", message)
+        resp.set_header("WWW-Authenticate", "Bearer")
+        resp.complete = True  # falcon skips routing and the responder
+
+
+def api_keys_from(path: str) -> ApiKeys:
+    """The keys for a worker: ``path`` (may be "") and ``ZSERVE_API_KEYS``."""
+    return ApiKeys(path, env_keys(os.environ.get(ENV_VAR)))

@@ -1,0 +1,242 @@
+"""``AsyncClient``: ``await predict(...)`` from asyncio; every frontend worker holds one. All requests made
+in one event-loop turn leave as one Submits message, sent by a callback at the start of the next turn, so
+a frontend under load sends the broker one message per turn, not one per HTTP request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zserve import payload
+from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
+from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
+from zserve.client.sync import endpoint_from_config, submits_messages
+from zserve.errors import BrokerUnavailable, ZserveError
+from zserve.frames import received
+from zserve.generation import GenerateResponse
+from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit
+from zserve.transport import make_socket
+
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: combining zmq's Flag enums costs more than the send
+_LAST = int(zmq.NOBLOCK)
+
+
+class _FutureWaiter:
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future) -> None:
+        self.future = future
+
+    def chunk(self, text: str) -> None:
+        pass
+
+    def reply(self, reply: Reply, frames: list[Any]) -> None:
+        if not self.future.done():
+            self.future.set_result((reply, frames))
+
+    def fail(self, error: ZserveError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class AsyncClient:
+    """An asyncio client; create and use it inside one running event loop."""
+
+    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._codec = Codec()
+        self._table = PendingTable(endpoint)
+        # This turn's requests (and cancels), sent together by _flush at the start of the next one.
+        self._items: list[tuple[Submit, list[Any]]] = []
+        self._cancels: list[int] = []
+        self._flush_pending = False
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **kwargs: Any) -> AsyncClient:
+        return cls(endpoint_from_config(path), **kwargs)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._tasks = [asyncio.create_task(t) for t in (self._reader(), self._watchdog(), self._on_disconnect())]
+        return self._sock
+
+    # ---- public API ----
+
+    async def predict(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Any:
+        return (await self.infer(model, body, timeout_ms=timeout_ms, decoded=False)).value
+
+    async def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, decoded: bool = False) -> Answer:
+        """Send one request and await its Answer. ``decoded=True`` means ``body`` is already the output of
+        ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
+        the raw output. Cancelling the awaiting task cancels the request in the broker."""
+        frames = payload.encode(body)
+        future = asyncio.get_running_loop().create_future()
+        req_id = self._start(model, frames, timeout_ms, decoded, False, _FutureWaiter(future))
+        try:
+            reply, reply_frames = await future
+        except asyncio.CancelledError:
+            self._cancel(req_id)
+            raise
+        return answer_of(reply, reply_frames)
+
+    async def generate(
+        self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
+    ) -> list[GenerateResponse]:
+        """One response per prompt from a generative model, all in flight together (see ``Client.generate``)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        values = await asyncio.gather(
+            *(self.predict(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts)
+        )
+        return [response_of(model, v) for v in values]
+
+    def generate_stream(
+        self,
+        prompt: str | list[dict[str, str]] | dict[str, Any],
+        *,
+        model: str,
+        timeout_ms: int | None = None,
+        decoded: bool = False,
+        **sampling: Any,
+    ) -> AsyncGenerationStream:
+        """``async for delta in client.generate_stream("...", model="lm")``; ``prompt`` is a text, chat
+        messages, or (with ``decoded=True``, as the frontends do) a body ``decode_request`` already made.
+        The request leaves when iteration starts."""
+        frames = payload.encode(prompt if isinstance(prompt, dict) else prompt_body(prompt, sampling))
+        return AsyncGenerationStream(
+            model, lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream), self._cancel
+        )
+
+    async def health(self, timeout_s: float = 5.0) -> HealthReport:
+        sock = self._socket()
+        future = asyncio.get_running_loop().create_future()
+        qid = self._table.add_health_query(lambda r: future.done() or future.set_result(r))
+        try:
+            self._send(sock, [self._codec.encode(HealthQuery(qid))])
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise BrokerUnavailable(f"no answer from the broker at {self.endpoint} in {timeout_s}s") from None
+        finally:
+            self._table.drop_health_query(qid)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._table.fail_all(BrokerUnavailable("the client was closed"))
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
+
+    # ---- coalescing ----
+
+    def _start(
+        self, model: str, frames: list[Any], timeout_ms: int | None, decoded: bool, stream: bool, waiter: Any
+    ) -> int:
+        """Register a request and queue its Submit for this turn's message; its req_id."""
+        self._socket()  # created lazily, inside the running loop
+        timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
+        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream)
+        self._table.add(submit, frames, waiter, time.monotonic())
+        self._items.append((submit, frames))
+        self._schedule_flush()
+        return submit.req_id
+
+    def _cancel(self, req_id: int) -> None:
+        """Forget a request and tell the broker (in this turn's message, after its Submit if both are)."""
+        if self._table.discard(req_id) is not None and self._sock is not None:
+            self._cancels.append(req_id)
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        items, cancels = self._items, self._cancels
+        self._items, self._cancels = [], []
+        for message in submits_messages(self._codec, items):
+            self._send(sock, message)
+        for req_id in cancels:
+            self._send(sock, [self._codec.encode(Cancel(req_id))])
+
+    def _send(self, sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+        """Send without a future per message (zmq.asyncio's awaitable send costs more than the request it
+        carries): the base class's non-blocking send, and only when the pipe is full (far past the HWM in
+        practice) an awaited one in a task of its own."""
+        try:
+            for frame in frames[:-1]:
+                zmq.Socket.send(sock, frame, _MORE, copy=False)
+            zmq.Socket.send(sock, frames[-1], _LAST, copy=False)
+        except zmq.Again:
+            self._tasks.append(asyncio.ensure_future(sock.send_multipart(frames, copy=False)))
+        # ZMQ's FD is edge-triggered and any call on the socket may consume the edge that announced replies:
+        # read them now, or they would wait for the next edge (zmq.asyncio does the same internally).
+        self._drain()
+
+    # ---- receiving ----
+
+    def _drain(self) -> None:
+        """Read every message already queued, with plain non-blocking receives (no future per message)."""
+        sock = self._sock
+        now = time.monotonic()
+        while sock is not None and zmq.Socket.get(sock, zmq.EVENTS) & zmq.POLLIN:
+            frames = [zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False)]
+            while frames[-1].more:
+                frames.append(zmq.Socket.recv(sock, zmq.NOBLOCK, copy=False))
+            msg = self._codec.decode(frames[0].buffer, "broker")
+            self._resubmit(self._table.dispatch(msg, received(frames[1:], "the broker"), now))
+
+    def _resubmit(self, items: list[tuple[Submit, list[Any]]]) -> None:
+        """Requests the broker lost (it restarted), in the next turn's message (this may run inside a send)."""
+        if items:
+            self._items += items
+            self._schedule_flush()
+
+    async def _on_disconnect(self) -> None:
+        while True:
+            await self._monitor.recv_multipart()
+            self._resubmit(self._table.broker_lost(time.monotonic()))
+
+    async def _reader(self) -> None:
+        while True:
+            # One awaited wake-up per burst of replies, then a plain drain: under load one wake-up resolves
+            # many requests.
+            await self._sock.poll(None, zmq.POLLIN)
+            self._drain()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            now = time.monotonic()
+            for req_id in self._table.expired(now):
+                self._cancels.append(req_id)
+                self._schedule_flush()
+            if self._table.ping_due(now):
+                self._send(self._sock, [self._codec.encode(HealthQuery(0))])
