@@ -81,7 +81,7 @@ def proxied(tmp_path_factory):
     nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        wait_http_ready(f"http://127.0.0.1:{ports[1]}", second, what=(tmp / "second.log").read_text())
+        wait_http_ready(f"http://127.0.0.1:{ports[1]}", second, what=f"log: {tmp / 'second.log'}")
         wait_http_ready(f"http://127.0.0.1:{listen}", nginx, timeout_s=30, what="nginx")
         yield d, ports, listen, prefix
     finally:
