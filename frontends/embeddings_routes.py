@@ -19,10 +19,10 @@ import msgspec
 import numpy as np
 
 from zserve.client import AsyncClient
-from zserve.errors import BadRequest, ZserveError
+from zserve.errors import BadRequest
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, decode_body
-from zserve.frontends.resources import RequestError, openai_error, read_json
+from zserve.frontends.resources import RequestError, decode_item, openai_error, read_json, request_error
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
 
@@ -75,13 +75,16 @@ class EmbeddingsResource:
             items = []
             for i, text in enumerate(texts):
                 try:
-                    items.append(model.decode_request({"text": text}))
+                    items.append(decode_item(model, {"text": text}))
                 except BadRequest as exc:
                     raise BadRequest(f"input {i}: {exc.message}", field="input") from None
             answers = await _gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
-        except (RequestError, ZserveError) as exc:
-            code = exc.status if isinstance(exc, RequestError) else exc.http_status
-            openai_error(resp, code, exc.type_name, exc.message, exc.field)
+        except Exception as exc:
+            error = request_error(exc)
+            if error is None:
+                raise
+            code = error.status
+            openai_error(resp, code, error.type_name, error.message, error.field)
         else:
             counts = model.count_tokens(texts)
             if counts is None and not self._warned_no_counts:

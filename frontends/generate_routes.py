@@ -38,7 +38,7 @@ from zserve.frontends.api_types import (
     Usage,
     decode_body,
 )
-from zserve.frontends.resources import RequestError, openai_error, read_json, set_error
+from zserve.frontends.resources import RequestError, decode_item, openai_error, read_json, request_error, set_error
 from zserve.generation import GenerateResponse
 from zserve.model import Model
 
@@ -125,9 +125,12 @@ class _GenerateRoute:
         code, named = 200, []
         try:
             await work(named)
-        except (RequestError, ZserveError) as exc:
-            code = exc.status if isinstance(exc, RequestError) else exc.http_status
-            write_error(resp, code, exc.type_name, exc.message, exc.field)
+        except Exception as exc:
+            error = request_error(exc)
+            if error is None:
+                raise
+            code = error.status
+            write_error(resp, code, error.type_name, error.message, error.field)
         finally:
             if named and named[0] in self.metrics:
                 self.metrics[named[0]].answered(code, time.perf_counter() - started)
@@ -231,7 +234,7 @@ class CompletionsResource(_OpenAIRoute):
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise BadRequest("`prompt` must be a string or a list of strings", field="prompt")
         sampling = _openai_sampling(body, default_max_tokens=16)  # OpenAI's default for completions
-        return [model.decode_request({"prompt": p, **sampling}) for p in prompts]
+        return [decode_item(model, {"prompt": p, **sampling}) for p in prompts]
 
     def _choice(self, index: int, response: GenerateResponse) -> CompletionChoice:
         return CompletionChoice(index, response.generated_text, None, response.finish_reason)
@@ -250,7 +253,7 @@ class ChatCompletionsResource(_OpenAIRoute):
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         sampling = _openai_sampling(body, default_max_tokens=None)  # None: the model's default
-        return [model.decode_request({"messages": _chat_messages(body.get("messages")), **sampling})]
+        return [decode_item(model, {"messages": _chat_messages(body.get("messages")), **sampling})]
 
     def _choice(self, index: int, response: GenerateResponse) -> ChatChoice:
         return ChatChoice(index, ChatMessageOut("assistant", response.generated_text), None, response.finish_reason)
@@ -296,4 +299,4 @@ class MiiResource(_GenerateRoute):
             body.setdefault("max_length", 1024)
         if isinstance(body.get("stop"), str):
             body["stop"] = [body["stop"]]
-        return [model.decode_request({"prompt": p, **body}) for p in prompts]
+        return [decode_item(model, {"prompt": p, **body}) for p in prompts]

@@ -71,6 +71,40 @@ class RequestError(Exception):
         self.field = field
 
 
+# Deeper than any API body needs, far below what the decoder and the msgpack codec can recurse through (a
+# 5,000-deep body would otherwise be a RecursionError, a 500).
+MAX_JSON_DEPTH = 128
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests containers deeper than ``limit``; iterative, stops early."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if type(node) is dict else node
+        stack.extend((child, depth + 1) for child in children if type(child) in (list, dict))
+    return False
+
+
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as JSON, for every route: not JSON, or nested past MAX_JSON_DEPTH, is a 400 naming ``body``."""
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(400, "bad_request", f"body is not valid JSON: {exc}", "body") from None
+    except RecursionError:
+        value = None  # deeper than the decoder itself goes: over the limit by far
+    else:
+        # A body with fewer brackets than the limit cannot nest past it: most bodies skip the walk.
+        if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH or type(value) not in (list, dict):
+            return value
+        if not _too_deep(value, MAX_JSON_DEPTH):
+            return value
+    raise RequestError(400, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels", "body")
+
+
 async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
     """The request's JSON body, at most ``max_body_bytes`` (413 past it, 400 if it is not JSON)."""
     if req.content_length is not None and req.content_length > max_body_bytes:
@@ -78,10 +112,31 @@ async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
     raw = await req.stream.read(max_body_bytes + 1)
     if len(raw) > max_body_bytes:
         raise RequestError(413, "payload_too_large", f"body is over {max_body_bytes} bytes")
+    return decode_json(raw)
+
+
+def decode_item(handler: Model, body: Any) -> Any:
+    """``handler.decode_request(body)``: whatever it raises is the client's bad input (400), never a 500."""
     try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise RequestError(400, "bad_request", f"body is not valid JSON: {exc}", "body") from None
+        return handler.decode_request(body)
+    except BadRequest:
+        raise
+    except RecursionError:
+        raise BadRequest("the request nests too deeply for the model", field="body") from None
+    except Exception as exc:
+        raise BadRequest(f"decode_request rejected the body: {type(exc).__name__}: {exc}") from None
+
+
+def request_error(exc: BaseException) -> RequestError | None:
+    """The one mapping from what reading, decoding and submitting a request can raise to its HTTP error
+    (None: not the client's doing, a real server error)."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, payload.PayloadError):  # e.g. an integer past 64 bits: JSON has them, msgpack does not
+        return RequestError(400, "bad_request", f"the request cannot travel to the model: {exc}", "body")
+    if isinstance(exc, ZserveError):
+        return RequestError(exc.http_status, exc.type_name, exc.message, exc.field)
+    return None
 
 
 class Health:
@@ -123,26 +178,14 @@ class PredictResource:
     ) -> tuple[int, int]:
         """(HTTP status, batch size)."""
         try:
-            body = await read_json(req, self.max_body_bytes)
-        except RequestError as exc:
-            set_error(resp, exc.status, exc.type_name, exc.message, exc.field)
-            return exc.status, 0
-        try:
-            item = handler.decode_request(body)
-        except BadRequest as exc:
-            set_error(resp, 400, exc.type_name, exc.message, exc.field)
-            return 400, 0
-        except Exception as exc:
-            set_error(resp, 400, "bad_request", f"decode_request rejected the body: {type(exc).__name__}: {exc}")
-            return 400, 0
-        try:
+            item = decode_item(handler, await read_json(req, self.max_body_bytes))
             answer = await self.client.infer(name, item, decoded=True)
-        except payload.PayloadError as exc:  # e.g. an integer past 64 bits: JSON has them, msgpack does not
-            set_error(resp, 400, "bad_request", f"the request cannot travel to the model: {exc}", "body")
-            return 400, 0
-        except ZserveError as exc:
-            set_error(resp, exc.http_status, exc.type_name, exc.message, exc.field)
-            return exc.http_status, 0
+        except Exception as exc:
+            error = request_error(exc)
+            if error is None:
+                raise
+            set_error(resp, error.status, error.type_name, error.message, error.field)
+            return error.status, 0
         try:
             resp.data = _json.encode(handler.encode_response(answer.value))
         except Exception as exc:
