@@ -296,7 +296,10 @@ _SUBMITS_TAG = Submits.__struct_config__.tag
 
 def _salvage_submits(data: bytes | memoryview) -> Submits | None:
     """The slow path for a Submits that failed validation: validate item by item."""
-    raw = msgspec.msgpack.decode(data)
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:  # valid enough for a tag, not as msgpack (trailing bytes): drop it
+        return None
     if not (isinstance(raw, list) and len(raw) >= 3 and raw[0] == _SUBMITS_TAG and isinstance(raw[1], list)):
         return None
     try:

@@ -224,17 +224,12 @@ def test_every_well_formed_submit_gets_exactly_one_reply(cluster):
     assert set(answers.values()) == {1}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zserve/protocol.py Codec.decode: _salvage_submits re-decodes a header "
-    "that failed validation without catching msgspec.DecodeError, so the broker process exits",
-)
 @pytest.mark.parametrize(
     "header", [b"\x81", b"\x80\x00", b"\x91\x00\x00"], ids=["truncated-map", "map-then-byte", "bad-tag-then-bytes"]
 )
-def test_a_header_that_is_not_an_array_and_not_msgpack_crashes_the_broker(tmp_path, header):
+def test_a_header_that_is_not_an_array_and_not_msgpack_is_dropped(tmp_path, header):
     """One frame from any client (a msgpack map, truncated or with bytes after it; an unknown tag with bytes
-    after it) stops the broker: it exits 1 with the DecodeError's traceback."""
+    after it) is logged and dropped: the broker keeps answering (it used to exit on these)."""
     c = Cluster(CONFIG, tmp_path)
     try:
         c.start_broker()
