@@ -294,12 +294,22 @@ def _close_all() -> None:
 
 
 def role_of(cmdline: list[str]) -> str:
-    """What a server process is, from its command line: broker, engine-MODEL, gunicorn, supervisor."""
+    """What a server process is, from its command line: broker, engine-MODEL, stage-MODEL, gunicorn, supervisor;
+    for the peers (bench/peers.py) mosec (its Rust HTTP server), mosec-main (its Python parent), web (the
+    service-streamer web process) and worker (a peer's spawned model process)."""
     text = " ".join(cmdline)
+    if "multiprocessing.spawn" in text:
+        return "worker"
+    if "peer_mosec.py" in text:
+        return "mosec-main"
+    if "peer_streamer.py" in text:
+        return "web"
+    if cmdline and Path(cmdline[0]).name == "mosec":
+        return "mosec"
     if "zserve.broker" in text:
         return "broker"
-    if match := re.search(r"--name engine-(\S+)-\d+", text):
-        return f"engine-{match.group(1)}"
+    if match := re.search(r"--name (engine|stage)-(\S+)-\d+", text):
+        return f"{match.group(1)}-{match.group(2)}"
     if "gunicorn" in text:
         return "gunicorn"
     if "zserve" in text:
