@@ -206,6 +206,17 @@ class Managed:
                 pass
         return dict(totals)
 
+    def cpu_by_process(self) -> dict[int, tuple[str, int, float]]:
+        """pid -> (role, parent pid, CPU seconds used so far) of the child and each live descendant."""
+        found: dict[int, tuple[str, int, float]] = {}
+        for proc in self._processes():
+            try:
+                times = proc.cpu_times()
+                found[proc.pid] = (role_of(proc.cmdline()), proc.ppid(), times.user + times.system)
+            except psutil.Error:
+                pass
+        return found
+
     def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
         """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
         over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
