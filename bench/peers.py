@@ -47,8 +47,8 @@ def peer_up(
         # --timeout: a queue of 64 embeddings takes seconds; --capacity: mosec's queue bound, above any c here.
         argv = [sys.executable, script, "--address", "127.0.0.1", "--port", str(port), "--timeout", "60000",
                 "--capacity", "4096", "--log-level", "warning"]  # fmt: skip
-        # mosec does not stop on SIGTERM in good time (reference notes): SIGINT, then the process group is killed.
-        managed = Managed(scenario, argv, env=env, stop_timeout_s=10.0, echo=echo, stop_signal=signal.SIGINT)
+        # mosec does not stop on SIGTERM (reference notes) nor on SIGINT in good time: its process group is killed.
+        managed = Managed(scenario, argv, env=env, stop_timeout_s=3.0, echo=echo, stop_signal=signal.SIGINT)
     else:
         argv = [sys.executable, script, "--port", str(port)]
         managed = Managed(scenario, argv, env=env, stop_timeout_s=10.0, echo=echo)

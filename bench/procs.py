@@ -90,6 +90,7 @@ class Managed:
         self._cond = threading.Condition()
         self._family: dict[int, float] = {}  # pid -> create_time of every descendant seen
         self._pump: threading.Thread | None = None
+        self.idle_cores = 0.0  # CPU the server uses with no load at all (see learn_idle); wait_idle allows it
 
     def __enter__(self) -> Managed:
         self.start()
@@ -217,9 +218,19 @@ class Managed:
                 pass
         return found
 
+    def learn_idle(self, window_s: float = 1.0) -> float:
+        """Measure the CPU the server uses with no load (a peer whose workers poll their queues in a loop uses
+        some), so that ``wait_idle`` waits for that level and not for zero."""
+        before = sum(self.cpu_by_role().values())
+        time.sleep(window_s)
+        self.idle_cores = max(0.0, sum(self.cpu_by_role().values()) - before) / window_s
+        return self.idle_cores
+
     def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
-        """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
-        over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
+        """Wait until the child and its descendants use less than ``max_cores`` of CPU (above ``idle_cores``) over
+        ``window_s`` (work left over from the last load run is done); return the seconds waited. Gives up quietly
+        after ``timeout_s``."""
+        max_cores += self.idle_cores
         started = time.monotonic()
         before = sum(self.cpu_by_role().values())
         while time.monotonic() - started < timeout_s:

@@ -219,6 +219,9 @@ def run_peer(s: Session, scenario: str) -> None:
     try:
         for plan in s.plans:
             loadgen.check_endpoint(f"{base_url}/v1/models/{plan.name}/predict", plan.body_bytes)
+        s.notes[f"{scenario}_idle_cores"] = idle = server.learn_idle()  # after the first requests: models loaded
+        print(f"  {scenario} uses {idle:.2f} cores with no load (allowed for when waiting for it to go idle)")
+        for plan in s.plans:
             for c in s.concurrency:
                 m = measure_http(s, server, base_url, scenario, plan, c)
                 s.add(m, _notes(m))
