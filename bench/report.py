@@ -101,9 +101,9 @@ def write_plot(path: Path, results: list[Measurement]) -> bool:
         elif limit is not None:
             qps_ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
         concurrency = sorted({m.concurrency for m in served if m.model == model and m.concurrency})
-        for ax, ylabel in ((qps_ax, "requests/s"), (p99_ax, "p99 latency (ms)")):
+        for ax, ylabel, heading in ((qps_ax, "requests/s", title), (p99_ax, "p99 latency (ms)", f"{model}: p99")):
             ax.set_xticks(concurrency, [str(c) for c in concurrency])
-            ax.set_title(f"{title}: {ylabel.split(' ')[0]}")
+            ax.set_title(heading)
             style_concurrency_axes(ax, ylabel)
     save_figure(fig, path)
     return True
