@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zserve-installed
 
-.PHONY: install serve test test-all lint bench clean
+.PHONY: install serve test test-all lint bench bench-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,19 @@ test-all: install
 
 bench: install
 	$(PY) bench/run.py
+
+# The peers' benchmark environment (mosec, service-streamer, matplotlib, py-spy): a virtualenv of its own, so that
+# no peer ever lands in .venv. Run the peer comparison with `$(BENCH_VENV)/bin/python bench/run.py` (bench/README.md).
+BENCH_VENV ?= .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.bench-installed
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

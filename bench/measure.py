@@ -10,8 +10,12 @@ from typing import Any
 HTTP = "zserve-http"
 DIRECT = "zserve-direct"
 NAIVE = "naive-http"
+MOSEC = "mosec-http"
+STREAMER = "streamer-http"
+BROKER = "broker-capacity"  # no-op engines, direct clients with many requests in flight (bench/capacity.py)
 INPROCESS = "in-process"
-SCENARIOS = (HTTP, DIRECT, NAIVE, INPROCESS)
+SCENARIOS = (HTTP, DIRECT, NAIVE, MOSEC, STREAMER, BROKER, INPROCESS)
+PEERS = (NAIVE, MOSEC, STREAMER)  # the other servers a zserve number is compared with
 
 
 @dataclass
@@ -27,6 +31,7 @@ class Measurement:
     duration_s: float
     batch: int | None = None  # in-process: items per predict call
     vs_naive: float | None = None
+    vs_mosec: float | None = None
     vs_limit: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -50,10 +55,12 @@ def find(results: list[Measurement], scenario: str, model: str, concurrency: int
 
 
 def add_ratios(results: list[Measurement]) -> None:
-    """vs_naive: QPS over the naive baseline's at the same model and concurrency; vs_limit: over the in-process
-    limit of the same model."""
+    """vs_naive, vs_mosec: QPS over the naive baseline's (mosec's) at the same model and concurrency; vs_limit:
+    over the in-process limit of the same model."""
     for m in results:
         naive = find(results, NAIVE, m.model, m.concurrency) if m.scenario != INPROCESS else None
+        mosec = find(results, MOSEC, m.model, m.concurrency) if m.scenario != INPROCESS else None
         limit = find(results, INPROCESS, m.model)
         m.vs_naive = m.qps / naive.qps if naive and naive.qps > 0 else None
+        m.vs_mosec = m.qps / mosec.qps if mosec and mosec.qps > 0 else None
         m.vs_limit = m.qps / limit.qps if limit and limit.qps > 0 else None

@@ -16,25 +16,20 @@ settings come from the environment:
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import falcon
 import falcon.asgi
-import msgspec
 
 from catalog import DEFAULT_CONFIG
-from zserve import payload
-from zserve.config import load_config
-from zserve.model import Model, load_handler, predict_inline, setup_inline
-
-_json = msgspec.json.Encoder(enc_hook=payload.to_jsonable)
+from same_model import decode_body, encode_error, encode_output, load_model, predict_items
+from zserve.model import Model
 
 
 def _error(resp: falcon.asgi.Response, status: int, message: str) -> None:
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = _json.encode({"error": {"type": "error", "message": message}})
+    resp.data = encode_error(message)
 
 
 class Predict:
@@ -46,11 +41,11 @@ class Predict:
         if model is None:
             return _error(resp, 404, f"no model named {name!r}")
         try:
-            item = model.decode_request(msgspec.json.decode(await req.stream.read()))
+            item = decode_body(model, await req.stream.read())
         except Exception as exc:
             return _error(resp, 400, f"{type(exc).__name__}: {exc}")
-        output = predict_inline(model, [item])[0]  # blocks the event loop: that is the naive way
-        resp.data = _json.encode(model.encode_response(output))
+        output = predict_items(model, [item])[0]  # blocks the event loop: that is the naive way
+        resp.data = encode_output(model, output)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -59,24 +54,11 @@ class Ready:
         resp.media = {"status": "ready", "pid": os.getpid()}
 
 
-def load_models(names: list[str], threads: int, config_path: str | Path) -> dict[str, Model]:
-    config = load_config(config_path)
-    models = {}
-    for name in names:
-        spec = config.model(name)
-        model = load_handler(spec.handler, spec.options)
-        setup_inline(model)
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(threads)
-        models[name] = model
-    return models
-
-
 def create_app() -> falcon.asgi.App:
     names = [n for n in os.environ.get("NAIVE_MODELS", "echo").split(",") if n]
-    models = load_models(
-        names, int(os.environ.get("NAIVE_THREADS", "1")), os.environ.get("NAIVE_CONFIG", DEFAULT_CONFIG)
-    )
+    threads = int(os.environ.get("NAIVE_THREADS", "1"))
+    config = os.environ.get("NAIVE_CONFIG", DEFAULT_CONFIG)
+    models: dict[str, Model] = {name: load_model(config, name, threads) for name in names}
     app = falcon.asgi.App(cors_enable=False)
     app.add_route("/v1/models/{name}/predict", Predict(models))
     app.add_route("/readyz", Ready())

@@ -90,6 +90,7 @@ class Managed:
         self._cond = threading.Condition()
         self._family: dict[int, float] = {}  # pid -> create_time of every descendant seen
         self._pump: threading.Thread | None = None
+        self.idle_cores = 0.0  # CPU the server uses with no load at all (see learn_idle); wait_idle allows it
 
     def __enter__(self) -> Managed:
         self.start()
@@ -206,9 +207,30 @@ class Managed:
                 pass
         return dict(totals)
 
+    def cpu_by_process(self) -> dict[int, tuple[str, int, float]]:
+        """pid -> (role, parent pid, CPU seconds used so far) of the child and each live descendant."""
+        found: dict[int, tuple[str, int, float]] = {}
+        for proc in self._processes():
+            try:
+                times = proc.cpu_times()
+                found[proc.pid] = (role_of(proc.cmdline()), proc.ppid(), times.user + times.system)
+            except psutil.Error:
+                pass
+        return found
+
+    def learn_idle(self, window_s: float = 1.0) -> float:
+        """Measure the CPU the server uses with no load (a peer whose workers poll their queues in a loop uses
+        some), so that ``wait_idle`` waits for that level and not for zero."""
+        before = sum(self.cpu_by_role().values())
+        time.sleep(window_s)
+        self.idle_cores = max(0.0, sum(self.cpu_by_role().values()) - before) / window_s
+        return self.idle_cores
+
     def wait_idle(self, max_cores: float = 0.05, window_s: float = 0.25, timeout_s: float = 60.0) -> float:
-        """Wait until the child and its descendants use less than ``max_cores`` of CPU over ``window_s`` (work left
-        over from the last load run is done); return the seconds waited. Gives up quietly after ``timeout_s``."""
+        """Wait until the child and its descendants use less than ``max_cores`` of CPU (above ``idle_cores``) over
+        ``window_s`` (work left over from the last load run is done); return the seconds waited. Gives up quietly
+        after ``timeout_s``."""
+        max_cores += self.idle_cores
         started = time.monotonic()
         before = sum(self.cpu_by_role().values())
         while time.monotonic() - started < timeout_s:
@@ -294,12 +316,22 @@ def _close_all() -> None:
 
 
 def role_of(cmdline: list[str]) -> str:
-    """What a server process is, from its command line: broker, engine-MODEL, gunicorn, supervisor."""
+    """What a server process is, from its command line: broker, engine-MODEL, stage-MODEL, gunicorn, supervisor;
+    for the peers (bench/peers.py) mosec (its Rust HTTP server), mosec-main (its Python parent), web (the
+    service-streamer web process) and worker (a peer's spawned model process)."""
     text = " ".join(cmdline)
+    if "multiprocessing.spawn" in text:
+        return "worker"
+    if "peer_mosec.py" in text:
+        return "mosec-main"
+    if "peer_streamer.py" in text:
+        return "web"
+    if cmdline and Path(cmdline[0]).name == "mosec":
+        return "mosec"
     if "zserve.broker" in text:
         return "broker"
-    if match := re.search(r"--name engine-(\S+)-\d+", text):
-        return f"engine-{match.group(1)}"
+    if match := re.search(r"--name (engine|stage)-(\S+)-\d+", text):
+        return f"{match.group(1)}-{match.group(2)}"
     if "gunicorn" in text:
         return "gunicorn"
     if "zserve" in text:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from measure import INPROCESS, SCENARIOS, Measurement
+from measure import BROKER, INPROCESS, SCENARIOS, Measurement
 
 
 def _ratio(value: float | None) -> str:
@@ -24,7 +24,7 @@ def _number(value: float) -> str:
 
 
 def format_table(results: list[Measurement]) -> str:
-    header = ("scenario", "model", "conc", "QPS", "p50 ms", "p99 ms", "x naive", "x limit", "errors", "note")
+    header = ("scenario", "model", "conc", "QPS", "p50 ms", "p99 ms", "x naive", "x mosec", "x limit", "errors", "note")
     rows = []
     order = {s: i for i, s in enumerate(SCENARIOS)}
     for m in sorted(results, key=lambda m: (m.model, order.get(m.scenario, 99), m.concurrency or 0)):
@@ -35,6 +35,8 @@ def format_table(results: list[Measurement]) -> str:
             conc = str(m.concurrency)
             batch = m.detail.get("mean_batch_size")
             note = f"mean batch {batch:.1f}" if batch else ""
+            if (per_item := m.detail.get("broker_cpu_us_per_item")) is not None:
+                note = f"broker {per_item:.1f} us CPU/item"
         rows.append(
             (
                 m.scenario,
@@ -44,13 +46,14 @@ def format_table(results: list[Measurement]) -> str:
                 _number(m.p50_ms),
                 _number(m.p99_ms),
                 _ratio(m.vs_naive),
+                _ratio(m.vs_mosec),
                 _ratio(m.vs_limit),
                 str(m.errors),
                 note,
             )
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    numeric = {2, 3, 4, 5, 6, 7, 8}
+    numeric = {2, 3, 4, 5, 6, 7, 8, 9}
 
     def line(cells: tuple[str, ...]) -> str:
         return "  ".join(
@@ -67,8 +70,8 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 
 
 def write_plot(path: Path, results: list[Measurement]) -> bool:
-    """QPS against concurrency, one panel per model, the in-process limit as a dashed line. False (quietly)
-    when matplotlib is not installed."""
+    """Per model, QPS (top row) and p99 latency (bottom row) against concurrency, one line per target; the
+    in-process limit as a dashed line on the QPS panel. False (quietly) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -76,26 +79,32 @@ def write_plot(path: Path, results: list[Measurement]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    models = sorted({m.model for m in results})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
+    served = [m for m in results if m.scenario not in (INPROCESS, BROKER)]
+    models = sorted({m.model for m in served})
+    if not models:
+        return False
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 9), squeeze=False)
+    for col, model in enumerate(models):
+        qps_ax, p99_ax = axes[0][col], axes[1][col]
         title, top = model, 0.0
         for scenario in SCENARIOS:
-            if scenario == INPROCESS:
-                continue
-            points = sorted((m.concurrency, m.qps) for m in results if m.model == model and m.scenario == scenario)
+            mine = [m for m in served if m.model == model and m.scenario == scenario]
+            points = sorted((m.concurrency, m.qps, m.p99_ms) for m in mine)
             if points:
-                ax.plot([c for c, _ in points], [q for _, q in points], marker="o", label=scenario)
-                top = max([top, *(q for _, q in points)])
+                xs = [c for c, _, _ in points]
+                qps_ax.plot(xs, [q for _, q, _ in points], marker="o", label=scenario)
+                p99_ax.plot(xs, [p for _, _, p in points], marker="o", label=scenario)
+                top = max([top, *(q for _, q, _ in points)])
         limit = next((m for m in results if m.model == model and m.scenario == INPROCESS), None)
         if limit is not None and top and limit.qps > 50 * top:  # echo's limit would flatten every other line
             title += f"  (in-process b{limit.batch}: {limit.qps:.2g}/s, off the scale)"
         elif limit is not None:
-            ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
-        concurrency = sorted({m.concurrency for m in results if m.model == model and m.concurrency})
-        ax.set_xticks(concurrency, [str(c) for c in concurrency])
-        ax.set_title(title)
-        style_concurrency_axes(ax, "requests/s")
+            qps_ax.axhline(limit.qps, linestyle="--", color="grey", label=f"in-process b{limit.batch}")
+        concurrency = sorted({m.concurrency for m in served if m.model == model and m.concurrency})
+        for ax, ylabel, heading in ((qps_ax, "requests/s", title), (p99_ax, "p99 latency (ms)", f"{model}: p99")):
+            ax.set_xticks(concurrency, [str(c) for c in concurrency])
+            ax.set_title(heading)
+            style_concurrency_axes(ax, ylabel)
     save_figure(fig, path)
     return True
 

@@ -4,6 +4,9 @@
 * zserve-http    zserve over HTTP (wrk against the gunicorn frontends),
 * zserve-direct  zserve through the direct client (C coroutines on one AsyncClient),
 * naive-http     the same model in a plain falcon app under gunicorn, predict([item]) per request,
+* mosec-http     the same model behind mosec (Rust HTTP, Python workers, dynamic batching),
+* streamer-http  the same model behind service-streamer's multiprocess Streamer (Flask under gevent),
+* broker-capacity  no-op engines and direct clients with many requests in flight: items/s, broker CPU per item,
 * in-process     the model's predict called directly on a full batch (the limit),
 
 plus a bare pyzmq DEALER<->ROUTER round trip over ipc. Prints a table and the targets, writes JSON (and a
@@ -79,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON output (default: bench/results/bench-DATE-TIME.json)"
     )
+    parser.add_argument("--broker-engines", type=int, default=3, help="broker-capacity: no-op engines (default 3)")
+    parser.add_argument("--broker-batch", type=int, default=256, help="broker-capacity: their max_batch_size (256)")
+    parser.add_argument("--broker-clients", type=int, default=2, help="broker-capacity: client processes (default 2)")
+    parser.add_argument(
+        "--broker-window", type=int, default=512, help="broker-capacity: requests in flight per client (default 512)"
+    )
     parser.add_argument("--verbose", action="store_true", help="echo the servers' output")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -108,6 +117,19 @@ def git_revision() -> str:
     return rev + ("+dirty" if git("status", "--porcelain") else "")
 
 
+def peer_versions() -> dict[str, str | None]:
+    """The installed version of each peer (None: not installed in this interpreter)."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for dist in ("mosec", "service-streamer", "gevent", "flask"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions
+
+
 def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -123,6 +145,13 @@ def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk
         "warmup_s": args.warmup_s,
         "concurrency": args.concurrency,
         "scenarios": args.scenarios,
+        "peers": peer_versions(),
+        "broker_capacity": {
+            "engines": args.broker_engines,
+            "max_batch_size": args.broker_batch,
+            "clients": args.broker_clients,
+            "window_per_client": args.broker_window,
+        },
         "config": str(args.config),
         "models": {
             p.name: {
@@ -142,6 +171,11 @@ def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk
         f"limit), {args.naive_threads} per naive worker;  frontends: {config.frontends.workers} gunicorn workers "
         "(zserve and naive alike)"
     )
+    peers = ", ".join(f"{k} {v}" for k, v in meta["peers"].items() if v) or "none installed"
+    print(
+        f"peers: {peers}; each peer runs one model process per model with the same torch threads, max_batch_size "
+        "and max_wait_ms as zserve's engines"
+    )
     print(
         f"runs: {args.duration_s:g}s measured after {args.warmup_s:g}s warm-up;  concurrency {args.concurrency};  "
         f"scenarios {','.join(args.scenarios)}",
@@ -154,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop_on_signals()
     wrk = None
-    if {scenarios.HTTP_KEY, scenarios.NAIVE_KEY} & set(args.scenarios):
+    if {scenarios.HTTP_KEY, scenarios.NAIVE_KEY, scenarios.MOSEC_KEY, scenarios.STREAMER_KEY} & set(args.scenarios):
         if loadgen.wrk_path() is None:
             print(
                 "bench: `wrk` is not installed, and the HTTP scenarios need it.\n"
                 "  Install it with `apt-get install -y wrk` (Debian/Ubuntu) or from https://github.com/wg/wrk,\n"
-                "  or run only the other scenarios: --scenarios rtt,inprocess,direct",
+                "  or run only the other scenarios: --scenarios rtt,inprocess,direct,broker",
                 file=sys.stderr,
             )
             return 2
@@ -176,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp) / "supervisor.toml"
         config_path.write_text(deployment_toml(config, free_port()))
         session = scenarios.Session(config, config_path, plans, Path(tmp), args.concurrency, args.duration_s,
-                                    args.warmup_s, args.scenarios, args.naive_threads, args.verbose)  # fmt: skip
+                                    args.warmup_s, args.scenarios, args.naive_threads, args.verbose,
+                                    args.broker_engines, args.broker_batch, args.broker_clients,
+                                    args.broker_window)  # fmt: skip
         try:
             scenarios.run_all(session)
         except (KeyboardInterrupt, Stopped) as exc:
@@ -213,7 +249,10 @@ def print_summary(
 ) -> None:
     print()
     print(report.format_table(results))
-    print("x naive: QPS over naive-http's at the same model and concurrency; x limit: over the in-process limit's.")
+    print(
+        "x naive, x mosec: QPS over naive-http's (mosec-http's) at the same model and concurrency; x limit: over the "
+        "in-process limit's. broker-capacity: conc = requests in flight (clients x window)."
+    )
     if rtt:
         print(f"bare zmq round trip (ipc): p50 {rtt['rtt_p50_us']:.1f} us = {rtt['per_hop_us']:.1f} us per hop")
     print()

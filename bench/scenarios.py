@@ -1,5 +1,6 @@
 """The scenarios of one bench run, each appending Measurements to the Session: the bare zmq round trip, the
-in-process limit, zserve (HTTP and the direct client, one deployment) and the naive baseline."""
+in-process limit, zserve (HTTP and the direct client, one deployment), the naive baseline, the peers (mosec,
+service-streamer) and the broker's capacity."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import capacity
 import loadgen
+import peers
 import zmq_rtt
 from bench_paths import BENCH
 from catalog import ModelPlan, clean_env, thread_env
-from measure import HTTP, INPROCESS, NAIVE, Measurement
+from measure import HTTP, INPROCESS, MOSEC, NAIVE, STREAMER, Measurement
 from procs import Managed, free_port, naive_up, zserve_up
 from zserve.config import Config
 
@@ -37,6 +40,10 @@ class Session:
     scenarios: list[str]
     naive_threads: int = 1  # torch threads per naive worker
     verbose: bool = False
+    broker_engines: int = 3  # the broker-capacity scenario: no-op engines,
+    broker_batch: int = 256  # ... their max_batch_size,
+    broker_clients: int = 2  # ... client processes,
+    broker_window: int = 512  # ... and requests each keeps in flight
     results: list[Measurement] = field(default_factory=list)
     rtt: dict[str, float] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
@@ -199,9 +206,47 @@ def run_naive(s: Session) -> None:
         s.notes["naive_notable_lines"] = server.notable
 
 
+def run_peer(s: Session, scenario: str) -> None:
+    """mosec or service-streamer, serving every model of the run at zserve's route, with the engines' threads."""
+    why = peers.missing(scenario)
+    if why:
+        print(f"skipping {scenario}: {why}", flush=True)
+        s.notes.setdefault("skipped", {})[scenario] = why
+        return
+    threads = max(p.threads for p in s.plans)  # every model of a run has the same threads when --threads is given
+    print(f"starting {scenario} (one worker process per model, {threads} torch thread(s) each) ...", flush=True)
+    server, base_url = peers.peer_up(scenario, s.config_path, [p.name for p in s.plans], threads, echo=s.verbose)
+    try:
+        for plan in s.plans:
+            loadgen.check_endpoint(f"{base_url}/v1/models/{plan.name}/predict", plan.body_bytes)
+        s.notes[f"{scenario}_idle_cores"] = idle = server.learn_idle()  # after the first requests: models loaded
+        print(f"  {scenario} uses {idle:.2f} cores with no load (allowed for when waiting for it to go idle)")
+        for plan in s.plans:
+            for c in s.concurrency:
+                m = measure_http(s, server, base_url, scenario, plan, c)
+                s.add(m, _notes(m))
+    finally:
+        print(f"stopping {scenario} ...", flush=True)
+        s.notes[f"{scenario}_strays"] = server.close()
+        s.notes[f"{scenario}_notable_lines"] = server.notable
+
+
+def run_capacity(s: Session) -> None:
+    print(f"starting the broker-capacity deployment ({s.broker_engines} no-op engines, batches of {s.broker_batch}; "
+          f"{s.broker_clients} client processes x {s.broker_window} in flight) ...", flush=True)  # fmt: skip
+    m = capacity.measure(s.work, s.broker_engines, s.broker_batch, s.broker_clients, s.broker_window,
+                         s.duration_s, s.warmup_s, s.verbose)  # fmt: skip
+    d, extra = m.detail, ""
+    if d["broker_cpu_us_per_item"] is not None:
+        extra = (f"  (broker {d['broker_cpu_us_per_item']:.1f} us CPU/item, {d['broker_cores_used']:.2f} cores; "
+                 f"one broker core ~ {d['broker_items_per_core_s'] or 0:,.0f} items/s)")  # fmt: skip
+    s.add(m, extra + _notes(m))
+
+
 # --scenarios keys, in the order they run.
 RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY = "rtt", "inprocess", "http", "direct", "naive"
-ALL = (RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY)
+MOSEC_KEY, STREAMER_KEY, BROKER_KEY = "mosec", "streamer", "broker"
+ALL = (RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY, MOSEC_KEY, STREAMER_KEY, BROKER_KEY)
 
 
 def run_all(s: Session) -> None:
@@ -213,3 +258,9 @@ def run_all(s: Session) -> None:
         run_zserve(s)
     if NAIVE_KEY in s.scenarios:
         run_naive(s)
+    if MOSEC_KEY in s.scenarios:
+        run_peer(s, MOSEC)
+    if STREAMER_KEY in s.scenarios:
+        run_peer(s, STREAMER)
+    if BROKER_KEY in s.scenarios:
+        run_capacity(s)

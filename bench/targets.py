@@ -6,10 +6,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from measure import DIRECT, HTTP, INPROCESS, NAIVE, Measurement, find
+from measure import BROKER, DIRECT, HTTP, INPROCESS, MOSEC, NAIVE, PEERS, Measurement, find
 
 HIGH = 64
 RTT = "zmq-round-trip"  # a pseudo-scenario: the bare pyzmq round trip, not a Measurement
+BEST_PEER = "best-peer"  # a pseudo-scenario: the peer (naive, mosec, service-streamer) with the highest QPS
+BROKER_ITEMS_PER_S = 150_000
 
 
 @dataclass
@@ -31,7 +33,17 @@ def evaluate(results: list[Measurement], rtt: dict[str, float] | None, echo: str
     targets: list[Target] = []
 
     def check(name: str, goal: str, needs: list[Need], judge: Callable[..., tuple[str, bool]]) -> None:
-        found: list[Any] = [rtt if s == RTT else find(results, s, m, c) for s, m, c in needs]
+        def lookup(s: str, m: str, c: int | None) -> Any:
+            if s == RTT:
+                return rtt
+            if s == BEST_PEER:
+                peers = [p for p in (find(results, peer, m, c) for peer in PEERS) if p]
+                return max(peers, key=lambda p: p.qps) if peers else None
+            if s == BROKER:
+                return next((r for r in results if r.scenario == BROKER), None)
+            return find(results, s, m, c)
+
+        found: list[Any] = [lookup(s, m, c) for s, m, c in needs]
         missing = [
             f"{s} {m} c{c}" if c else f"{s} {m}".strip() for (s, m, c), f in zip(needs, found, strict=True) if not f
         ]
@@ -63,6 +75,54 @@ def evaluate(results: list[Measurement], rtt: dict[str, float] | None, echo: str
             ratio <= 5.0,
         )
 
+    def named_ratio(minimum: float) -> Callable[[Measurement, Measurement], tuple[str, bool]]:
+        def judge(a: Measurement, b: Measurement) -> tuple[str, bool]:
+            measured, met = qps_ratio(minimum)(a, b)
+            return f"{measured[:-1]}, {b.scenario})", met
+
+        return judge
+
+    def p99_vs(maximum: float) -> Callable[[Measurement, Measurement], tuple[str, bool]]:
+        def judge(a: Measurement, b: Measurement) -> tuple[str, bool]:
+            ratio = a.p99_ms / b.p99_ms if b.p99_ms else float("inf")
+            return f"{ratio:.2f}x (p99 {a.p99_ms:.2f} vs {b.p99_ms:.2f} ms)", ratio <= maximum
+
+        return judge
+
+    def p50_at_most(ms: float) -> Callable[[Measurement], tuple[str, bool]]:
+        def judge(m: Measurement) -> tuple[str, bool]:
+            return f"p50 {m.p50_ms:.2f} ms", m.p50_ms <= ms
+
+        return judge
+
+    def broker_items(b: Measurement) -> tuple[str, bool]:
+        d = b.detail
+        per_core = d.get("broker_items_per_core_s") or 0.0
+        return (
+            f"{b.qps:,.0f} items/s with {d.get('clients')} clients x {d.get('window_per_client')} in flight; broker "
+            f"{d.get('broker_cpu_us_per_item') or 0:.1f} us CPU/item ({d.get('broker_cores_used', 0):.2f} cores), "
+            f"one broker core ~ {per_core:,.0f} items/s",
+            b.qps >= BROKER_ITEMS_PER_S,
+        )
+
+    # Issue 9 (data plane v2): zserve against the fastest peers, measured in this run.
+    check("i9-echo-vs-mosec", f"{echo} over HTTP at c64 >= 0.5x mosec's QPS",
+          [(HTTP, echo, HIGH), (MOSEC, echo, HIGH)], qps_ratio(0.5))  # fmt: skip
+    check("i9-echo-p99-vs-mosec", f"{echo} over HTTP at c64: p99 <= 2x mosec's p99",
+          [(HTTP, echo, HIGH), (MOSEC, echo, HIGH)], p99_vs(2.0))  # fmt: skip
+    check("i9-echo-c1-p50", f"{echo} over HTTP at c1: p50 <= 1.0 ms", [(HTTP, echo, 1)], p50_at_most(1.0))
+    check("i9-direct-vs-mosec", f"{echo} through the direct client at c64 >= 1.5x mosec's HTTP QPS at c64",
+          [(DIRECT, echo, HIGH), (MOSEC, echo, HIGH)], qps_ratio(1.5))  # fmt: skip
+    check("i9-capacity-vs-mosec", f"broker capacity (direct clients, Client.submit) >= 1.5x mosec's {echo} QPS at c64",
+          [(BROKER, "", None), (MOSEC, echo, HIGH)], qps_ratio(1.5))  # fmt: skip
+    check("i9-broker-capacity", f"broker capacity with no-op engines >= {BROKER_ITEMS_PER_S:,} items/s",
+          [(BROKER, "", None)], broker_items)  # fmt: skip
+    check("i9-embed-vs-limit", f"{embed} over HTTP at c64 >= 0.95x the in-process batch-32 limit",
+          [(HTTP, embed, HIGH), (INPROCESS, embed, None)], qps_ratio(0.95))  # fmt: skip
+    check("i9-embed-vs-best-peer", f"{embed} over HTTP at c64 >= 1.0x the best peer's QPS at c64",
+          [(HTTP, embed, HIGH), (BEST_PEER, embed, HIGH)], named_ratio(1.0))  # fmt: skip
+
+    # Issue 2 (the first data plane).
     check("embed-vs-limit", f"{embed} over HTTP at c64 >= 0.9x the in-process batch-32 limit",
           [(HTTP, embed, HIGH), (INPROCESS, embed, None)], qps_ratio(0.9))  # fmt: skip
     check("embed-vs-naive", f"{embed} over HTTP at c64 >= 1.7x naive",
