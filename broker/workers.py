@@ -161,9 +161,6 @@ class WorkerPool:
     def in_flight_items(self, model: str) -> int:
         return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)
 
-    def free_kv_blocks(self, model: str) -> int:
-        return sum(w.free_kv_blocks for w in self._serving(model, ENGINE))
-
     def engines(self, model: str) -> list[Worker]:
         return list(self._serving(model, ENGINE))
 

@@ -124,10 +124,9 @@ class PipelinedEngine:
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> compute thread
         self._outbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> output thread
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
-        self.failed = False  # a thread died: the process exits non-zero and the supervisor restarts it
         self._threads = [
-            threading.Thread(target=self._guarded(self._compute_loop), name="engine-compute", daemon=True),
-            threading.Thread(target=self._guarded(self._output_loop), name="engine-output", daemon=True),
+            threading.Thread(target=link.guarded(self._compute_loop), name="engine-compute", daemon=True),
+            threading.Thread(target=link.guarded(self._output_loop), name="engine-output", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -145,17 +144,6 @@ class PipelinedEngine:
         output.join(timeout=5)
         if not output.is_alive():
             self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
-
-    def _guarded(self, loop: Any) -> Any:
-        def run() -> None:
-            try:
-                loop()
-            except BaseException:
-                log.critical("%s thread died; stopping the engine", threading.current_thread().name, exc_info=True)
-                self.failed = True
-                self.link.stop.set()
-
-        return run
 
     def _compute_loop(self) -> None:
         while (job := self._inbox.get()) is not None:

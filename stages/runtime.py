@@ -64,12 +64,29 @@ class WorkerLink:
         self.interval_s = heartbeat_interval_ms / 1000.0
         self.liveness_s = self.interval_s * heartbeat_liveness
         self.stop = threading.Event()
+        self.failed = False  # a thread of the runner died: the process exits 1 and its supervisor restarts it
         self.busy = False
         self.registered = threading.Event()
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.dealer: zmq.Socket | None = None
         self.push = make_socket(self.ctx, zmq.PUSH, out_endpoint, bind=False, linger_ms=2000)
+
+    def guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
+        """``loop`` as a thread target that takes the process with it when it dies: a worker that stays
+        registered but serves nothing would hold its batches until their deadlines."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException:
+                log.critical(
+                    "%s thread died; stopping %s", threading.current_thread().name, self.worker_id, exc_info=True
+                )
+                self.failed = True
+                self.stop.set()
+
+        return run
 
     def install_signal_handlers(self) -> None:
         def on_term(signum: int, _frame: Any) -> None:
@@ -224,7 +241,7 @@ def run_worker(
         close = getattr(runner, "close", None)
         if close is not None:
             close()
-        if getattr(runner, "failed", False):
+        if link.failed:
             log.error("%s exiting after a failure", args.name)
             return 1
     log.info("%s exiting", args.name)

@@ -105,10 +105,9 @@ class GenerationRunner:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # -> output thread
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
         self._stop = threading.Event()
-        self.failed = False  # a thread died: the process exits non-zero
         self._threads = [
-            threading.Thread(target=self._guarded(self._step_loop), name="generate-step", daemon=True),
-            threading.Thread(target=self._guarded(self._output_loop), name="generate-output", daemon=True),
+            threading.Thread(target=link.guarded(self._step_loop), name="generate-step", daemon=True),
+            threading.Thread(target=link.guarded(self._output_loop), name="generate-output", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -145,20 +144,6 @@ class GenerationRunner:
         output.join(timeout=5)
         if not output.is_alive():
             self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
-
-    def _guarded(self, loop: Any) -> Any:
-        """A thread that dies must take the process with it: an engine that stays registered but serves
-        nothing would hold its sequences until their deadlines. The supervisor restarts it."""
-
-        def run() -> None:
-            try:
-                loop()
-            except BaseException:
-                log.critical("%s thread died; stopping the engine", threading.current_thread().name, exc_info=True)
-                self.failed = True
-                self.link.stop.set()
-
-        return run
 
     # ---- the step thread ----
 
