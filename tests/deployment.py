@@ -54,11 +54,16 @@ class Deployment:
                 raise RuntimeError(f"zserve up did not get ready (exit {self.proc.poll()}):\n{self.output}")
         return self
 
-    def wait_for_line(self, text: str, timeout_s: float = 60.0) -> None:
+    def wait_for_line(self, text: str, timeout_s: float = 60.0, after: int = 0) -> int:
+        """Wait for an output line containing ``text`` among the lines from index ``after`` on (pass the
+        previous call's result to wait for a *new* occurrence); returns the index just past it."""
         deadline = time.monotonic() + timeout_s
-        while text not in self.output:
+        while True:
+            for i in range(after, len(self.lines)):
+                if text in self.lines[i]:
+                    return i + 1
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no line with {text!r} in:\n{self.output}")
+                raise TimeoutError(f"no line with {text!r} after line {after} in:\n{self.output}")
             time.sleep(0.05)
 
     def descendants(self) -> list[psutil.Process]:

@@ -47,8 +47,8 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
 
     engine = next(p for p in children if "zserve.stages.engine" in " ".join(p.cmdline()))
     engine.send_signal(signal.SIGKILL)
-    d.wait_for_line("engine-m-0 exited with code -9; restarting")
-    d.wait_for_line("registered", timeout_s=60)
+    died = d.wait_for_line("engine-m-0 exited with code -9; restarting")
+    d.wait_for_line("registered", timeout_s=60, after=died)
     status, _, body = d.request("POST", "/v1/models/m/predict", {"a": 2})
     assert status == 200 and body["pid"] != engine.pid
 

@@ -51,8 +51,8 @@ def test_status_shows_processes_restarts_and_models(tmp_path):
 
         os_pid = int(engine["PID"])
         os.kill(os_pid, signal.SIGKILL)
-        d.wait_for_line("engine-m-0 exited with code -9; restarting")
-        d.wait_for_line("registered", timeout_s=60)
+        died = d.wait_for_line("engine-m-0 exited with code -9; restarting")
+        d.wait_for_line("registered", timeout_s=60, after=died)
         code, rows, out = zserve_status(path)
         restarted = dict(zip(header, rows["engine-m-0"], strict=True))
         assert restarted["RESTARTS"] == "1" and int(restarted["PID"]) != os_pid, out
