@@ -115,7 +115,7 @@ class BrokerCore:
                 # a generative request is one sequence, sent the moment an engine has a free slot
                 m.name: BatchPolicy(1, 0.0, m.max_queue)
                 if m.name in generative
-                else BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue)
+                else BatchPolicy(m.max_batch_size, m.max_wait_ms, m.max_queue, m.max_batch_cost)
                 for m in config.models
             },
             self.pool,
@@ -227,7 +227,10 @@ class BrokerCore:
             request = add(identity, item.req_id, model, payload, item.decoded, now, timeout_s, item.stream)
             if request is None:  # a client resubmitting what it believes lost: the first one answers
                 log.info("client %r resubmitted request %d, which is pending: ignored", identity, item.req_id)
-            elif submit(model, request.item_id, now) is Admission.OVERLOADED:
+                continue
+            if item.cost > 1:
+                request.cost = item.cost
+            if submit(model, request.item_id, now, request.cost) is Admission.OVERLOADED:
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
@@ -313,7 +316,7 @@ class BrokerCore:
             request = self.requests.get(item_id)
             if request is not None:
                 request.batch_id = 0
-                self.scheduler.requeue(model, item_id, request.arrived_s)
+                self.scheduler.requeue(model, item_id, request.arrived_s, request.cost)
 
     def _fail_batches(self, batches: list[InFlightBatch], why: str) -> None:
         """Batches lost with their worker: re-dispatch each item ``max_redispatch`` times, then answer
@@ -330,7 +333,7 @@ class BrokerCore:
                 elif request.attempts > self.max_redispatch:
                     self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
                 else:
-                    self.scheduler.requeue(request.model, item_id, request.arrived_s)
+                    self.scheduler.requeue(request.model, item_id, request.arrived_s, request.cost)
 
     # ---- workers: results ----
 
@@ -631,6 +634,8 @@ class BrokerCore:
             latency_p50_ms=p50,
             latency_p90_ms=p90,
             latency_p99_ms=p99,
+            batched_cost=self.scheduler.padding.get(name, (0, 0))[0],
+            padded_cost=self.scheduler.padding.get(name, (0, 0))[1],
             workers_hung=stats.workers_hung,
         )
 

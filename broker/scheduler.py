@@ -14,6 +14,15 @@ only while fewer batches are on their way (in stages or prepared) than the engin
 preprocessed batches never pile up faster than engines take them; and a partial batch goes to a stage
 only when an engine has credit that nothing on its way will use (otherwise it keeps filling, exactly as
 it would for a busy engine without a stage).
+
+Cost-aware batching (a model with ``max_batch_cost``): each item has a cost (tokens, pixels), and a batch
+costs its size times its largest item's cost, which is what a batch padded to its longest item computes.
+The queue counts as full once it holds a budget's worth of cost. A batch always starts with the oldest
+item; it is filled with the queued items whose cost is closest to that one's, as long as the batch stays
+within the budget and at least half of what it computes is real (padding efficiency >= 1/2), so that long
+items share batches with long ones and short with short. Fairness bound: only items that arrived within
+``max_wait_ms`` of the oldest one may join it, so no item is ever passed over by one that arrived more than
+``max_wait_ms`` after it, and every batch takes the oldest item: nothing starves.
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ class BatchPolicy:
     max_batch_size: int
     max_wait_ms: float
     max_queue: int
+    max_batch_cost: int = 0  # 0: by count only
+
+
+MIN_PADDING_EFFICIENCY = 0.5  # a cost-aware batch computes at most twice the cost of its items
+_COST_CANDIDATES = 8  # x max_batch_size: how far down the queue a cost-aware batch looks for its items
 
 
 class Admission(enum.Enum):
@@ -73,28 +87,45 @@ class Scheduler:
         # item id -> time it entered the queue; insertion order is FIFO order.
         self._queues: dict[str, OrderedDict[int, float]] = {m: OrderedDict() for m in policies}
         self._prepared: dict[str, deque[Prepared]] = {m: deque() for m in policies}
+        # Cost-aware models only: item id -> cost of each queued item, and their sum.
+        self._costs: dict[str, dict[int, int]] = {m: {} for m, p in policies.items() if p.max_batch_cost}
+        self._queued_cost: dict[str, int] = dict.fromkeys(self._costs, 0)
+        self.padding: dict[str, list[int]] = {m: [0, 0] for m in self._costs}  # [real, computed] cost dispatched
         self._next_batch_id = first_batch_id
 
-    def submit(self, model: str, item_id: int, now: float) -> Admission:
+    def submit(self, model: str, item_id: int, now: float, cost: int = 1) -> Admission:
         queue = self._queues.get(model)
         if queue is None:
             return Admission.UNKNOWN_MODEL
         if len(queue) >= self.policies[model].max_queue:
             return Admission.OVERLOADED
         queue[item_id] = now
+        costs = self._costs.get(model)
+        if costs is not None:
+            costs[item_id] = cost = max(1, cost)
+            self._queued_cost[model] += cost
         return Admission.ACCEPTED
 
-    def requeue(self, model: str, item_id: int, queued_s: float) -> None:
+    def requeue(self, model: str, item_id: int, queued_s: float, cost: int = 1) -> None:
         """Put an item back at the head of its queue (its batch was lost). Ignores ``max_queue``: the
         item was admitted once and must get an answer."""
         queue = self._queues[model]
         queue[item_id] = queued_s
         queue.move_to_end(item_id, last=False)
+        costs = self._costs.get(model)
+        if costs is not None and item_id not in costs:
+            costs[item_id] = cost = max(1, cost)
+            self._queued_cost[model] += cost
 
     def remove(self, model: str, item_id: int) -> bool:
         """Drop a queued item (cancelled or expired); False if it is not queued."""
         queue = self._queues.get(model)
-        return queue is not None and queue.pop(item_id, None) is not None
+        if queue is None or queue.pop(item_id, None) is None:
+            return False
+        costs = self._costs.get(model)
+        if costs is not None:
+            self._queued_cost[model] -= costs.pop(item_id)
+        return True
 
     def depth(self, model: str) -> int:
         return len(self._queues[model])
@@ -150,17 +181,57 @@ class Scheduler:
                 # With a stage, a partial batch leaves only if an engine would otherwise wait for it;
                 # while engines are busy the batch keeps filling (as a busy engine without credit would).
                 partial_ok = role == ENGINE or self._engine_would_wait(model)
-                ready = len(queue) >= policy.max_batch_size or (
+                full = len(queue) >= policy.max_batch_size or (
+                    policy.max_batch_cost and self._queued_cost[model] >= policy.max_batch_cost
+                )
+                ready = full or (
                     partial_ok and ((now - oldest_s) * 1000.0 >= policy.max_wait_ms or not worker.in_flight)
                 )
                 if not ready:
                     break
-                n = min(policy.max_batch_size, len(queue))
-                ids = [queue.popitem(last=False)[0] for _ in range(n)]
+                if policy.max_batch_cost:
+                    ids = self._take_by_cost(model, policy)
+                else:
+                    n = min(policy.max_batch_size, len(queue))
+                    ids = [queue.popitem(last=False)[0] for _ in range(n)]
                 batch_id = self._new_batch_id()
                 self.pool.start(worker, batch_id, model, ids, now)
                 out.append(Dispatch(batch_id, model, worker, ids))
         return out
+
+    def _take_by_cost(self, model: str, policy: BatchPolicy) -> list[int]:
+        """Take a cost-aware batch off the queue (the rule is in the module docstring)."""
+        queue, costs = self._queues[model], self._costs[model]
+        budget, limit = policy.max_batch_cost, policy.max_batch_size
+        items = iter(queue.items())
+        head_id, head_s = next(items)
+        head_cost = costs[head_id]
+        window_end_s = head_s + policy.max_wait_ms / 1000.0
+        candidates: list[tuple[int, int, int]] = []  # (distance from the head's cost, position, id)
+        for position, (item_id, arrived_s) in enumerate(items):
+            if arrived_s > window_end_s or position >= _COST_CANDIDATES * limit:
+                break
+            candidates.append((abs(costs[item_id] - head_cost), position, item_id))
+        candidates.sort()
+        ids, total, largest = [head_id], head_cost, head_cost
+        for _, _, item_id in candidates:
+            if len(ids) >= limit:
+                break
+            cost = costs[item_id]
+            top = max(largest, cost)
+            computed = (len(ids) + 1) * top
+            if computed > budget or total + cost < MIN_PADDING_EFFICIENCY * computed:
+                continue
+            ids.append(item_id)
+            total, largest = total + cost, top
+        for item_id in ids:
+            del queue[item_id]
+            del costs[item_id]
+        self._queued_cost[model] -= total
+        padding = self.padding[model]
+        padding[0] += total
+        padding[1] += len(ids) * largest
+        return ids
 
     def next_wakeup_s(self, now: float) -> float | None:
         """Seconds until a batching window closes for a model that has a worker with credit; None if no

@@ -44,7 +44,9 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
         setup_logging(f"frontend-{os.environ.get('ZSERVE_FRONTEND_INDEX', os.getpid())}", always_name=True)
     # Constructors only: the request/response hooks need no weights (setup runs in engines).
     handlers = {m.name: load_handler(m.handler, m.options) for m in settings.models}
-    client = AsyncClient(settings.client_endpoint)
+    # Models batched by cost: every request of every route carries its item's cost (Model.cost).
+    cost_of = {m.name: handlers[m.name].cost for m in settings.models if m.max_batch_cost}
+    client = AsyncClient(settings.client_endpoint, cost_of=cost_of)
     health = Health(client)
 
     keys = api_keys_from(settings.api_keys_file)

@@ -71,6 +71,11 @@ class ModelConfig(_Section, kw_only=True):
     engines: PositiveInt = 1
     max_batch_size: PositiveInt = 32
     max_wait_ms: NonNegativeFloat = 5.0
+    # Cost-aware batching: 0 = batches by count only. Otherwise a batch costs its size times its largest
+    # item's cost (what a padded batch computes; an item's cost is what the handler's ``cost(item)`` says,
+    # tokens for the text handlers) and is closed before it would pass this budget; items of similar cost
+    # are grouped (see broker/scheduler.py for the fairness bound).
+    max_batch_cost: NonNegativeInt = 0
     max_queue: PositiveInt = 1024
     timeout_ms: PositiveInt = 30_000
     credits: PositiveInt = 2  # batches an engine may hold at once (2 = one running, one staged)
@@ -192,6 +197,7 @@ class ServedModel(msgspec.Struct, kw_only=True):
     options: dict[str, Any] = {}
     timeout_ms: int = 30_000
     preprocess: bool = False  # has a preprocess stage: /readyz also waits for one
+    max_batch_cost: int = 0  # > 0: the frontends report each item's cost (``Model.cost``) with its Submit
 
 
 class FrontendSettings(msgspec.Struct, kw_only=True):
@@ -218,6 +224,7 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                     options=m.options,
                     timeout_ms=m.timeout_ms,
                     preprocess=m.name in staged,
+                    max_batch_cost=m.max_batch_cost,
                 )
                 for m in config.models
             ],

@@ -48,6 +48,12 @@ class Model:
         Raise ``zserve.BadRequest(message, field=...)`` to reject it with a 400."""
         return body
 
+    def cost(self, item: Any) -> int:
+        """What ``item`` (a ``decode_request`` result) costs to compute, for a model batched by cost
+        (``max_batch_cost``): tokens for a text model, pixels for an image one. Runs in the frontends, per
+        request, so it must be cheap. Only models with ``max_batch_cost`` set are asked."""
+        return 1
+
     def predict(self, batch: Any) -> list[Any]:
         """Run the model on a batch (the list of items, or what ``preprocess`` returned for them); return
         one output per item, in order. An output that is an ``Exception`` fails that item only."""
@@ -56,6 +62,11 @@ class Model:
     def encode_response(self, output: Any) -> Any:
         """Turn one output into the JSON-able response body (numpy arrays become lists)."""
         return output
+
+
+def reports_cost(cls: type[Model]) -> bool:
+    """True if the model overrides ``cost``: only then can it be batched by cost."""
+    return getattr(cls, "cost", None) is not Model.cost
 
 
 def uses_preprocess(cls: type[Model]) -> bool:

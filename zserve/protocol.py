@@ -45,6 +45,7 @@ class Submit(Msg, tag=1):
     timeout_ms: int = 0  # relative; 0 = the model's configured timeout_ms
     decoded: bool = False  # True: decode_request already ran (frontends); False: the engine runs the hooks
     stream: bool = False  # generative models: send Chunk messages as text is produced, then the Reply
+    cost: int = 0  # what the item costs to compute (``Model.cost``), for models batched by cost; 0 = not given
 
 
 class Cancel(Msg, tag=2):
@@ -133,6 +134,10 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     latency_p90_ms: float = 0.0
     latency_p99_ms: float = 0.0
     workers_hung: int = 0  # workers found hung (no progress past batch_timeout_s) and killed, since start
+    # models batched by cost, since start: the items' cost in dispatched batches, and what the batches
+    # computed (size x largest cost); padding efficiency = batched_cost / padded_cost
+    batched_cost: int = 0
+    padded_cost: int = 0
 
 
 class HealthReport(Msg, tag=5):

@@ -113,6 +113,9 @@ class Streamer:
     raised by the batch function reaches exactly the callers whose items were in that batch, as the
     original exception. With ``processes=N`` the model is set up once in each of N spawned processes
     (``devices[i]`` each, via CUDA_VISIBLE_DEVICES for ``cuda:N``) and never in this one.
+
+    ``max_batch_cost`` with ``cost`` (item -> int, e.g. its tokens; a ``Model``'s own ``cost`` if not
+    given) batches by cost exactly as the broker does (see ``zserve.broker.scheduler``).
     """
 
     def __init__(
@@ -125,11 +128,19 @@ class Streamer:
         processes: int = 0,
         devices: Sequence[str] | None = None,
         max_queue: int = 100_000,
+        max_batch_cost: int = 0,
+        cost: Callable[[Any], int] | None = None,
     ) -> None:
-        if max_batch_size < 1 or workers < 1 or processes < 0 or max_wait_ms < 0:
-            raise ValueError("max_batch_size and workers must be >= 1, processes and max_wait_ms >= 0")
+        if max_batch_size < 1 or workers < 1 or processes < 0 or max_wait_ms < 0 or max_batch_cost < 0:
+            raise ValueError("max_batch_size and workers must be >= 1, processes, max_wait_ms and max_batch_cost >= 0")
+        if cost is None and max_batch_cost and isinstance(predict, Model):
+            cost = predict.cost
+        if max_batch_cost and cost is None:
+            raise ValueError("max_batch_cost needs cost=, a function of an item that returns its cost")
+        self._cost = cost if max_batch_cost else None
         self._pool = WorkerPool(liveness_s=float("inf"))
-        self._scheduler = Scheduler({_MODEL: BatchPolicy(max_batch_size, max_wait_ms, max_queue)}, self._pool)
+        policy = BatchPolicy(max_batch_size, max_wait_ms, max_queue, max_batch_cost)
+        self._scheduler = Scheduler({_MODEL: policy}, self._pool)
         self._lock = threading.Condition()
         self._futures: dict[int, tuple[concurrent.futures.Future, Any]] = {}  # item id -> (future, item)
         self._ids = itertools.count()
@@ -165,6 +176,8 @@ class Streamer:
         if not items:
             result.set_result([])
             return result
+        # Before the lock and before any item is queued: a cost function that raises fails the call alone.
+        costs = [self._cost(item) for item in items] if self._cost else [1] * len(items)
         parts: list[concurrent.futures.Future] = []
         with self._lock:
             if self._closed:
@@ -173,9 +186,9 @@ class Streamer:
             if self._scheduler.depth(_MODEL) + len(items) > max_queue:  # all or nothing
                 raise Overloaded(f"{len(items)} more items would pass max_queue ({max_queue})")
             now = time.monotonic()
-            for item in items:
+            for item, cost in zip(items, costs, strict=True):
                 item_id = next(self._ids)
-                admitted = self._scheduler.submit(_MODEL, item_id, now)
+                admitted = self._scheduler.submit(_MODEL, item_id, now, cost)
                 assert admitted is Admission.ACCEPTED
                 part: concurrent.futures.Future = concurrent.futures.Future()
                 self._futures[item_id] = (part, item)

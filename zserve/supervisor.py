@@ -44,7 +44,7 @@ from zserve.config import (
 from zserve.errors import BrokerUnavailable
 from zserve.frontends.servers import server_argv
 from zserve.hooks import HookError, check_preprocess_hooks
-from zserve.model import load_handler, uses_preprocess
+from zserve.model import load_handler, reports_cost, uses_preprocess
 from zserve.state import ProcessState, SupervisorState, write_state
 
 log = logging.getLogger("zserve.supervisor")
@@ -65,6 +65,9 @@ def model_kinds(config: Config) -> tuple[list[str], list[str]]:
             check_preprocess_hooks(type(handler))
         except (ValueError, HookError) as exc:
             raise ConfigError(f"models[{m.name}]: {exc}") from None
+        if m.max_batch_cost and (handler.generative or not reports_cost(type(handler))):
+            why = "is generative (batched per step)" if handler.generative else "has no cost() method"
+            raise ConfigError(f"models[{m.name}]: max_batch_cost is set but handler {m.handler} {why}")
         if uses_preprocess(type(handler)):
             staged.append(m.name)
         if handler.generative:

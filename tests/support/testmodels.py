@@ -122,3 +122,10 @@ class MisplacedTokenizer(Model):
 
     def predict(self, batch: Any) -> list[Any]:
         return batch
+
+
+class CostedEcho(SlowEcho):
+    """SlowEcho batched by cost: an item's cost is its body's ``cost`` (default 1)."""
+
+    def cost(self, item: Any) -> int:
+        return int(item.get("cost", 1)) if isinstance(item, dict) else 1

@@ -480,3 +480,21 @@ def test_a_worker_without_progress_past_batch_timeout_is_hung_killed_and_ignored
     core.on_out(*result(again.header, b"w2:12"), now=2.3)
     [(r, _)] = replies(core.flush()[0], b"a")
     assert r.status == OK
+
+
+def test_costs_from_submits_drive_a_cost_batched_model_and_survive_a_lost_worker():
+    config = parse_config(CONFIG.replace("max_queue = 8", "max_queue = 8\nmax_batch_cost = 100"))
+    core = BrokerCore(config, epoch=7, first_batch_id=100, generative=frozenset({"lm"}))
+    hello(core, b"w", credits=1)
+    submit(core, b"a", [1], cost=90)
+    submit(core, b"a", [2, 3], cost=40)
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    assert [core.requests.get(i).req_id for i in b.header.item_ids] == [1]  # 2 x 90 > 100: alone
+    core.worker_unreachable(b"w")  # lost: re-dispatched with its cost
+    hello(core, b"w2", credits=1)
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    assert [core.requests.get(i).req_id for i in b.header.item_ids] == [1]
+    health = core.health(1).models[0]
+    assert (health.batched_cost, health.padded_cost) == (180, 180)

@@ -93,3 +93,100 @@ def test_max_wait_zero_dispatches_immediately_even_to_a_busy_worker():
     assert [d.item_ids for d in s.pop_batches(0.0)] == [[0, 1]]
     fill(s, range(2, 3), 0.0)
     assert [d.item_ids for d in s.pop_batches(0.0)] == [[2]]
+
+
+# ---- cost-aware batching (max_batch_cost) ----
+
+
+def make_costed(max_batch_size: int = 8, max_wait_ms: float = 10.0, budget: int = 100, credits: int = 1):
+    pool = WorkerPool(liveness_s=1.0)
+    pool.register(b"w0", name="w0", pid=0, role="engine", models=["m"], credits=credits, now=0.0)
+    return Scheduler({"m": BatchPolicy(max_batch_size, max_wait_ms, 1000, budget)}, pool), pool
+
+
+def batch_cost(costs: dict[int, int], ids: list[int]) -> int:
+    return len(ids) * max(costs[i] for i in ids)
+
+
+def test_cost_budget_closes_a_batch_and_a_full_budget_is_ready():
+    s, pool = make_costed(max_batch_size=8, budget=100)
+    costs = {i: 20 for i in range(10)}
+    for i, c in costs.items():
+        assert s.submit("m", i, 0.0, c) is Admission.ACCEPTED
+    [d] = s.pop_batches(0.0)
+    assert d.item_ids == [0, 1, 2, 3, 4]  # 5 x 20 = 100: a sixth would pass the budget
+    pool.finish(d.batch_id)
+    [d] = s.pop_batches(0.0)  # 5 x 20 queued = the budget: full, though the window is open and nothing is idle...
+    assert d.item_ids == [5, 6, 7, 8, 9] and s.padding["m"] == [200, 200]
+
+
+def test_queued_cost_makes_a_batch_ready_before_its_count_or_window():
+    s, _pool = make_costed(max_batch_size=8, max_wait_ms=50.0, budget=100, credits=2)
+    s.submit("m", 0, 0.0, 5)
+    [first] = s.pop_batches(0.0)  # the idle worker takes it; it stays busy with one credit left
+    s.submit("m", 1, 0.001, 60)
+    assert s.pop_batches(0.002) == []  # 60 < 100, 1 < 8 items, window open, worker busy
+    s.submit("m", 2, 0.003, 50)
+    [d] = s.pop_batches(0.003)  # 110 queued >= 100: ready; but 2 x 60 > 100, so item 2 waits
+    assert d.item_ids == [1] and s.depth("m") == 1
+    assert first.item_ids == [0]
+
+
+def test_similar_costs_share_a_batch_within_the_window():
+    s, _ = make_costed(max_batch_size=4, max_wait_ms=10.0, budget=10_000)
+    costs = {0: 10, 1: 300, 2: 12, 3: 280, 4: 11, 5: 310, 6: 9, 7: 290}
+    for i, c in costs.items():
+        s.submit("m", i, 0.001 * i, c)
+    [d] = s.pop_batches(0.02)
+    assert sorted(d.item_ids) == [0, 2, 4, 6]  # the oldest (short) with the other short ones
+    real, computed = s.padding["m"]
+    assert real / computed >= 0.5
+
+
+def test_a_long_item_never_pads_a_batch_of_short_ones_below_half_efficiency():
+    s, _pool = make_costed(max_batch_size=8, max_wait_ms=10.0, budget=10_000)
+    costs = {0: 400, 1: 20, 2: 20, 3: 20, 4: 390}
+    for i, c in costs.items():
+        s.submit("m", i, 0.0, c)
+    [d] = s.pop_batches(0.0)
+    # the long ones, then short ones while at least half of what the batch computes is real
+    assert sorted(d.item_ids) == [0, 1, 2, 4] and s.depth("m") == 1
+    assert sum(costs[i] for i in d.item_ids) >= 0.5 * batch_cost(costs, d.item_ids)
+
+
+def test_no_item_is_passed_over_by_one_that_arrived_more_than_max_wait_after_it():
+    """Fairness bound: only items that arrived within max_wait_ms of the oldest may join its batch, and the
+    oldest is always taken, so a long item waits at most until it is the oldest."""
+    s, pool = make_costed(max_batch_size=4, max_wait_ms=10.0, budget=10_000)
+    s.submit("m", 0, 0.000, 10)
+    s.submit("m", 1, 0.000, 10)
+    s.submit("m", 2, 0.001, 500)  # long, behind two short ones
+    for i in range(3, 13):
+        s.submit("m", i, 0.020 + 0.001 * i, 10)  # short ones, arriving more than 10 ms after all three
+    [d] = s.pop_batches(0.05)
+    assert d.item_ids == [0, 1]  # item 2 is in the window but would pad them; the later short ones are not in it
+    pool.finish(d.batch_id)
+    [d] = s.pop_batches(0.05)
+    assert d.item_ids == [2]  # the long one is the oldest now: it goes next, before 10 newer short ones
+
+
+def test_cost_requeue_and_remove_keep_the_queued_cost():
+    s, pool = make_costed(max_batch_size=8, budget=100)
+    s.submit("m", 0, 0.0, 40)
+    s.submit("m", 1, 0.0, 40)
+    assert s.remove("m", 1) and not s.remove("m", 1)
+    [d] = s.pop_batches(0.0)
+    pool.remove(b"w0")
+    s.requeue("m", 0, 0.0, 40)
+    s.submit("m", 2, 0.0, 70)
+    pool.register(b"w0", name="w0", pid=0, role="engine", models=["m"], credits=1, now=0.0)
+    [d] = s.pop_batches(0.0)  # 40 + 70 queued >= 100: full; 2 x 70 > 100: the requeued item goes alone
+    assert d.item_ids == [0] and s.depth("m") == 1
+
+
+def test_count_only_models_ignore_costs():
+    s, _ = make(max_batch_size=4)
+    for i in range(4):
+        s.submit("m", i, 0.0, 1_000_000)
+    [d] = s.pop_batches(0.0)
+    assert d.item_ids == [0, 1, 2, 3] and s.padding == {}

@@ -98,3 +98,18 @@ def test_an_overloaded_submit_queues_nothing_and_the_streamer_keeps_serving():
             streamer.submit(list(range(10)))  # would pass max_queue: none of it is queued
         assert busy.result()[0][0] == 2 and [r[0] for r in queued.result()] == [4, 6, 8, 10]
         assert streamer.predict([7]) == [(14, 1)]
+
+
+def test_cost_aware_streamer_keeps_batches_within_the_budget():
+    def sizes(items):
+        time.sleep(0.01)
+        return [(len(i), len(items)) for i in items]
+
+    texts = ["x" * (50 if k % 3 == 0 else 5) for k in range(30)]
+    with Streamer(sizes, max_batch_size=16, max_wait_ms=20, max_batch_cost=60, cost=len) as streamer:
+        outputs = streamer.predict(texts)
+    assert [n for n, _ in outputs] == [len(t) for t in texts]  # order kept
+    assert all(batch == 1 for n, batch in outputs if n == 50)  # 2 x 50 > 60
+    assert max(batch for _, batch in outputs) <= 12  # 12 x 5 = 60
+    with pytest.raises(ValueError, match="cost="):
+        Streamer(sizes, max_batch_cost=10)

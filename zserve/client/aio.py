@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -47,9 +48,19 @@ class _FutureWaiter:
 class AsyncClient:
     """An asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: int | None = None,
+        cost_of: Mapping[str, Callable[[Any], int]] | None = None,
+    ) -> None:
+        """``cost_of``: per model batched by cost (``max_batch_cost``), the cost of a decoded item (the
+        frontends pass each such model's ``Model.cost``), so every ``decoded=True`` request of any route
+        carries it."""
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
+        self._cost_of = dict(cost_of or {})
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -81,16 +92,22 @@ class AsyncClient:
 
     # ---- public API ----
 
-    async def predict(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Any:
-        return (await self.infer(model, body, timeout_ms=timeout_ms, decoded=False)).value
+    async def predict(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Any:
+        return (await self.infer(model, body, timeout_ms=timeout_ms, decoded=False, cost=cost)).value
 
-    async def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, decoded: bool = False) -> Answer:
+    async def infer(
+        self, model: str, body: Any, *, timeout_ms: int | None = None, decoded: bool = False, cost: int = 0
+    ) -> Answer:
         """Send one request and await its Answer. ``decoded=True`` means ``body`` is already the output of
         ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
-        the raw output. Cancelling the awaiting task cancels the request in the broker."""
+        the raw output. ``cost``: what the item costs, for a model batched by cost (0: ``cost_of``'s, if
+        any). Cancelling the awaiting task cancels the request in the broker."""
         frames = payload.encode(body)
+        if decoded and not cost and self._cost_of:
+            cost_fn = self._cost_of.get(model)
+            cost = cost_fn(body) if cost_fn is not None else 0
         future = asyncio.get_running_loop().create_future()
-        req_id = self._start(model, frames, timeout_ms, decoded, False, _FutureWaiter(future))
+        req_id = self._start(model, frames, timeout_ms, decoded, False, _FutureWaiter(future), cost)
         try:
             reply, reply_frames = await future
         except asyncio.CancelledError:
@@ -152,12 +169,19 @@ class AsyncClient:
     # ---- coalescing ----
 
     def _start(
-        self, model: str, frames: list[Any], timeout_ms: int | None, decoded: bool, stream: bool, waiter: Any
+        self,
+        model: str,
+        frames: list[Any],
+        timeout_ms: int | None,
+        decoded: bool,
+        stream: bool,
+        waiter: Any,
+        cost: int = 0,
     ) -> int:
         """Register a request and queue its Submit for this turn's message; its req_id."""
         self._socket()  # created lazily, inside the running loop
         timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
-        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream)
+        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream, cost)
         self._table.add(submit, frames, waiter, time.monotonic())
         self._items.append((submit, frames))
         self._schedule_flush()

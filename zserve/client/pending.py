@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from zserve import payload
 from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError, ZserveError, error_for
 from zserve.protocol import Chunks, HealthReport, Msg, Replies, Reply, Status, Submit
@@ -152,7 +154,7 @@ class PendingTable:
                     del self._entries[req_id]
                     entry.waiter.fail(DeadlineExceeded("no answer before the deadline (the broker restarted)"))
                     continue
-                submit = Submit(submit.req_id, submit.model, left_ms, submit.decoded, submit.stream)
+                submit = msgspec.structs.replace(submit, timeout_ms=left_ms)
             resend.append((submit, entry.frames))
         if resend:
             log.warning("lost the broker at %s: resubmitting %d pending requests", self.endpoint, len(resend))

@@ -104,18 +104,19 @@ class Client:
     # ---- public API ----
 
     def submit(
-        self, model: str, body: Any, *, timeout_ms: int | None = None, meta: bool = False
+        self, model: str, body: Any, *, timeout_ms: int | None = None, meta: bool = False, cost: int = 0
     ) -> concurrent.futures.Future:
         """Send one request; the Future resolves to the response (an ``Answer`` with ``meta=True``) or
-        raises a ``ZserveError``."""
-        return self._submit(model, body, timeout_ms, meta)[0]
+        raises a ``ZserveError``. ``cost``: what the item costs to compute (e.g. its tokens), for a model
+        batched by cost (``max_batch_cost``); 0 counts as 1."""
+        return self._submit(model, body, timeout_ms, meta, cost=cost)[0]
 
-    def predict(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Any:
-        return self.submit(model, body, timeout_ms=timeout_ms).result()
+    def predict(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Any:
+        return self.submit(model, body, timeout_ms=timeout_ms, cost=cost).result()
 
-    def infer(self, model: str, body: Any, *, timeout_ms: int | None = None) -> Answer:
+    def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Answer:
         """Like ``predict``, with the batch size and queue time the request saw."""
-        return self.submit(model, body, timeout_ms=timeout_ms, meta=True).result()
+        return self.submit(model, body, timeout_ms=timeout_ms, meta=True, cost=cost).result()
 
     def generate(
         self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
@@ -160,13 +161,19 @@ class Client:
     # ---- callers' side ----
 
     def _submit(
-        self, model: str, body: Any, timeout_ms: int | None, meta: bool, chunks: queue.SimpleQueue | None = None
+        self,
+        model: str,
+        body: Any,
+        timeout_ms: int | None,
+        meta: bool,
+        chunks: queue.SimpleQueue | None = None,
+        cost: int = 0,
     ) -> tuple[concurrent.futures.Future, int]:
         frames = payload.encode(body)
         timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = self._table.new_id()  # itertools.count: atomic under the GIL
-        submit = Submit(req_id, model, timeout_ms or 0, False, stream=chunks is not None)
+        submit = Submit(req_id, model, timeout_ms or 0, False, chunks is not None, cost)
         with self._lock:
             self._check_open()
             first = not self._submits and not self._cancels
