@@ -208,6 +208,7 @@ class BrokerCore:
         generative = self.generative
         add = self.requests.add
         submit = self.scheduler.submit
+        stats = self.stats
         draining = self.draining_since is not None
         offset = 0
         for item, count in zip(items, frame_counts, strict=True):
@@ -235,6 +236,28 @@ class BrokerCore:
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
                 self._answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
+            elif stats[model].drain_s_per_item:
+                self._refuse_if_late(request, stats[model], timeout_s)
+
+    def _refuse_if_late(self, request: Request, stats: ModelStats, timeout_s: float) -> None:
+        """Deadline-aware admission: refuse (OVERLOADED, at once) a request that the queue ahead of it, at
+        the measured compute time per item, would keep past its deadline: it would be computed for nobody.
+        Generative models are not judged (a sequence's time depends on its output length)."""
+        model = request.model
+        depth = self.scheduler.depth(model)
+        if 2.0 * depth * stats.drain_s_per_item <= timeout_s or model in self.generative:
+            return  # the usual case, without counting what is in flight (at most credits x a batch)
+        ahead = depth - 1 + self.pool.in_flight_items(model)  # depth counts this request
+        wait_s = ahead * stats.drain_s_per_item + stats.item_s
+        if wait_s <= timeout_s:
+            return
+        self.scheduler.remove(model, request.item_id)
+        message = (
+            f"model {model!r} would answer in about {wait_s * 1000.0:.0f} ms ({ahead} requests ahead, "
+            f"{stats.item_s * 1000.0:.1f} ms of compute each): past this request's {timeout_s * 1000.0:.0f} ms "
+            "deadline; retry later"
+        )
+        self._reply(request, Status.OVERLOADED, message)
 
     def _refuse(self, identity: bytes, item: Submit, count: int) -> None:
         if self.draining_since is not None:
@@ -318,9 +341,10 @@ class BrokerCore:
                 request.batch_id = 0
                 self.scheduler.requeue(model, item_id, request.arrived_s, request.cost)
 
-    def _fail_batches(self, batches: list[InFlightBatch], why: str) -> None:
+    def _fail_batches(self, batches: list[InFlightBatch], why: str, alone: Iterable[int] = ()) -> None:
         """Batches lost with their worker: re-dispatch each item ``max_redispatch`` times, then answer
-        ENGINE_LOST."""
+        ENGINE_LOST. Items in ``alone`` are re-dispatched in batches of one."""
+        alone = set(alone)
         for batch in batches:
             for item_id in reversed(batch.item_ids):  # each goes back to the head: reversed keeps their order
                 request = self.requests.get(item_id)
@@ -333,7 +357,7 @@ class BrokerCore:
                 elif request.attempts > self.max_redispatch:
                     self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
                 else:
-                    self.scheduler.requeue(request.model, item_id, request.arrived_s, request.cost)
+                    self.scheduler.requeue(request.model, item_id, request.arrived_s, request.cost, item_id in alone)
 
     # ---- workers: results ----
 
@@ -365,7 +389,7 @@ class BrokerCore:
         self.pool.progressed(batch.worker_id, now)
         n = len(batch.item_ids)
         if batch.role == ENGINE:
-            self.stats[batch.model].batch_done(n, msg.compute_ms / 1000.0)
+            self.stats[batch.model].batch_done(n, msg.compute_ms / 1000.0, self.pool.ready_count(batch.model))
             if _accounts_for(n, len(frames), msg):
                 return self._answer_batch(batch, msg, frames, now)
         payload_frames = len(frames) - msg.prepared_frames if batch.role == PREPROCESS else len(frames)
@@ -531,7 +555,11 @@ class BrokerCore:
         if len(self._hung) > 1024:
             del self._hung[next(iter(self._hung))]
         self._kills.append((worker.pid, worker.name))
-        self._fail_batches(self.pool.remove(worker.worker_id), f"worker {worker.name} hung")
+        batches = self.pool.remove(worker.worker_id)
+        # The oldest batch is the one that hung (a worker computes its batches in order): its items go
+        # again one per batch, so that an item that hangs takes none of its batch-mates with it.
+        running = min(batches, key=lambda b: b.sent_s, default=None)
+        self._fail_batches(batches, f"worker {worker.name} hung", alone=running.item_ids if running else ())
 
     def take_kills(self) -> list[tuple[int, str]]:
         """Hung workers to kill: (pid, the name it registered with)."""

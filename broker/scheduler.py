@@ -91,6 +91,9 @@ class Scheduler:
         self._costs: dict[str, dict[int, int]] = {m: {} for m, p in policies.items() if p.max_batch_cost}
         self._queued_cost: dict[str, int] = dict.fromkeys(self._costs, 0)
         self.padding: dict[str, list[int]] = {m: [0, 0] for m in self._costs}  # [real, computed] cost dispatched
+        # Queued items that must go in a batch of their own: they were in a batch that hung its worker, and
+        # the one item that hangs must not take its batch-mates down with it again.
+        self._alone: dict[str, set[int]] = {m: set() for m in policies}
         self._next_batch_id = first_batch_id
 
     def submit(self, model: str, item_id: int, now: float, cost: int = 1) -> Admission:
@@ -106,12 +109,14 @@ class Scheduler:
             self._queued_cost[model] += cost
         return Admission.ACCEPTED
 
-    def requeue(self, model: str, item_id: int, queued_s: float, cost: int = 1) -> None:
+    def requeue(self, model: str, item_id: int, queued_s: float, cost: int = 1, alone: bool = False) -> None:
         """Put an item back at the head of its queue (its batch was lost). Ignores ``max_queue``: the
-        item was admitted once and must get an answer."""
+        item was admitted once and must get an answer. ``alone``: its next batch holds only it."""
         queue = self._queues[model]
         queue[item_id] = queued_s
         queue.move_to_end(item_id, last=False)
+        if alone:
+            self._alone[model].add(item_id)
         costs = self._costs.get(model)
         if costs is not None and item_id not in costs:
             costs[item_id] = cost = max(1, cost)
@@ -122,6 +127,7 @@ class Scheduler:
         queue = self._queues.get(model)
         if queue is None or queue.pop(item_id, None) is None:
             return False
+        self._alone[model].discard(item_id)
         costs = self._costs.get(model)
         if costs is not None:
             self._queued_cost[model] -= costs.pop(item_id)
@@ -171,6 +177,7 @@ class Scheduler:
                 out.append(Dispatch(batch_id, model, worker, batch.item_ids, batch))
             policy = self.policies[model]
             role = self._role(model)
+            alone = self._alone[model]
             while queue:
                 if role == PREPROCESS and not self._feeds_stage(model):
                     break
@@ -187,13 +194,24 @@ class Scheduler:
                 ready = full or (
                     partial_ok and ((now - oldest_s) * 1000.0 >= policy.max_wait_ms or not worker.in_flight)
                 )
-                if not ready:
+                if alone and next(iter(queue)) in alone:  # requeued at the head: one batch each
+                    item_id = queue.popitem(last=False)[0]
+                    alone.discard(item_id)
+                    if policy.max_batch_cost:
+                        self._queued_cost[model] -= self._costs[model].pop(item_id)
+                    ids = [item_id]
+                elif not ready:
                     break
-                if policy.max_batch_cost:
+                elif policy.max_batch_cost:
                     ids = self._take_by_cost(model, policy)
                 else:
                     n = min(policy.max_batch_size, len(queue))
-                    ids = [queue.popitem(last=False)[0] for _ in range(n)]
+                    if not alone:
+                        ids = [queue.popitem(last=False)[0] for _ in range(n)]
+                    else:  # the batch ends before an item that must go alone
+                        ids = []
+                        while queue and len(ids) < n and next(iter(queue)) not in alone:
+                            ids.append(queue.popitem(last=False)[0])
                 batch_id = self._new_batch_id()
                 self.pool.start(worker, batch_id, model, ids, now)
                 out.append(Dispatch(batch_id, model, worker, ids))
@@ -211,7 +229,8 @@ class Scheduler:
         for position, (item_id, arrived_s) in enumerate(items):
             if arrived_s > window_end_s or position >= _COST_CANDIDATES * limit:
                 break
-            candidates.append((abs(costs[item_id] - head_cost), position, item_id))
+            if item_id not in self._alone[model]:
+                candidates.append((abs(costs[item_id] - head_cost), position, item_id))
         candidates.sort()
         ids, total, largest = [head_id], head_cost, head_cost
         for _, _, item_id in candidates:

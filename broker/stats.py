@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 WINDOW = 2048  # recent requests (and batches) the percentiles and mean batch size are taken over
+_EWMA = 0.1  # weight of the newest batch in the per-item compute time
 
 
 @dataclass(slots=True)
@@ -15,13 +16,21 @@ class ModelStats:
     slowest_batch_s: float = 0.0  # over recent batches (decays: halved every WINDOW batches)
     engine_steps: int = 0
     batch_tokens: int = 0
+    # engine compute time per item over recent batches (an EWMA), and that divided by the engines that
+    # reported it: how long the queue takes to move by one item (0 until a batch was computed)
+    item_s: float = 0.0
+    drain_s_per_item: float = 0.0
     # appended to directly on the broker's hot path (one per answered request); trimmed per batch
     latencies_s: list[float] = field(default_factory=list)
     _sizes: list[int] = field(default_factory=list)
 
-    def batch_done(self, size: int, compute_s: float = 0.0) -> None:
+    def batch_done(self, size: int, compute_s: float = 0.0, engines: int = 1) -> None:
         self.batches += 1
         self._sizes.append(size)
+        if compute_s > 0.0 and size:
+            per_item = compute_s / size
+            self.item_s = per_item if not self.item_s else self.item_s + _EWMA * (per_item - self.item_s)
+            self.drain_s_per_item = self.item_s / max(1, engines)
         if compute_s > self.slowest_batch_s:
             self.slowest_batch_s = compute_s
         elif self.batches % WINDOW == 0:

@@ -498,3 +498,59 @@ def test_costs_from_submits_drive_a_cost_batched_model_and_survive_a_lost_worker
     assert [core.requests.get(i).req_id for i in b.header.item_ids] == [1]
     health = core.health(1).models[0]
     assert (health.batched_cost, health.padded_cost) == (180, 180)
+
+
+def test_a_request_the_queue_would_keep_past_its_deadline_is_refused_at_once():
+    core = make()
+    hello(core, b"w", credits=1)
+    submit(core, b"a", [1])
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    core.on_out(*result(b.header, b"w"), now=0.1)  # compute_ms 2.0 for 1 item: 2 ms per item
+    core.flush()
+    submit(core, b"a", [2, 3], now=0.1, timeout_ms=1000)  # 2 ms each: well within a second
+    assert replies(core.flush()[0], b"a") == []
+    core.stats["m"].item_s = core.stats["m"].drain_s_per_item = 0.1  # now 100 ms per item, one engine
+    submit(core, b"a", [4, 5, 6], now=0.1, timeout_ms=5000)  # 5 queued: 500 ms, fine
+    submit(core, b"a", [7], now=0.1, timeout_ms=300)  # 5 ahead x 100 ms > 300 ms
+    [(r, _)] = replies(core.flush()[0], b"a")
+    assert r.req_id == 7 and r.status == Status.OVERLOADED and "past this request's 300 ms deadline" in r.message
+    assert core.scheduler.depth("m") == 5 and core.requests.find(b"a", 7) is None
+
+
+def test_the_batch_that_hung_goes_again_one_item_per_batch_and_only_the_hanging_item_is_lost():
+    core = make()
+    core._batch_timeouts_s["m"] = 1.0
+    hello(core, b"w1:11", credits=1)
+    submit(core, b"a", [1, 2, 3])
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    assert len(b.header.item_ids) == 3
+    for t in (0.4, 0.8):
+        core.on_out(Heartbeat("w1:11"), [], now=t)
+    hello(core, b"w2:12", credits=1, now=1.0)
+    core.tick(1.1)  # w1 hung: the three go again, alone; a newer request waits behind them
+    assert core.take_kills() == [(1, "w1:11")]
+    submit(core, b"a", [4], now=1.1)
+    done = {}
+    now = 1.1
+    while len(done) < 4 and now < 10:
+        for worker in list(core.pool.workers):  # hung or not, every worker's heartbeat thread lives on
+            core.on_out(Heartbeat(worker.decode()), [], now=now)
+        core.tick(now)
+        clients, work = core.flush()
+        for r, _ in replies(clients, b"a"):
+            done[r.req_id] = r.status
+        for send in batches(work):
+            ids = send.header.item_ids
+            reqs = [core.requests.get(i).req_id for i in ids]
+            if 2 in reqs:  # the item that hangs: its worker makes no progress again
+                assert reqs == [2]
+                hello(core, b"w3:13", credits=1, now=now)
+                continue
+            assert len(ids) == 1 or 4 in reqs  # the hung batch's items each alone; the new one as usual
+            core.on_out(*result(send.header, send.worker_id), now=now)
+        for r, _ in replies(core.flush()[0], b"a"):
+            done[r.req_id] = r.status
+        now += 0.3
+    assert done == {1: OK, 2: Status.ENGINE_LOST, 3: OK, 4: OK}
