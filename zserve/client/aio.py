@@ -11,14 +11,16 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zserve import payload
 from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
 from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
-from zserve.client.sync import endpoint_from_config, submits_messages
+from zserve.client.sync import _AUTH_FAILED, endpoint_from_config, submits_messages
 from zserve.errors import BrokerUnavailable, ZserveError
 from zserve.frames import received
 from zserve.generation import GenerateResponse
+from zserve.keys import AuthenticationFailed, CurveKeys
 from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
 
@@ -47,9 +49,11 @@ class _FutureWaiter:
 class AsyncClient:
     """An asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_ms: int | None = None, curve_keys: CurveKeys | None = None) -> None:
+        """``curve_keys``: as for ``Client``, over a CURVE tcp endpoint."""
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
+        self.curve_keys = curve_keys
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -74,8 +78,8 @@ class AsyncClient:
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
             self._ctx = zmq.asyncio.Context()
-            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False, curve=self.curve_keys)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _AUTH_FAILED)
             self._tasks = [asyncio.create_task(t) for t in (self._reader(), self._watchdog(), self._on_disconnect())]
         return self._sock
 
@@ -221,8 +225,11 @@ class AsyncClient:
 
     async def _on_disconnect(self) -> None:
         while True:
-            await self._monitor.recv_multipart()
-            self._resubmit(self._table.broker_lost(time.monotonic()))
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event & _AUTH_FAILED:
+                self._table.fail_all(AuthenticationFailed(f"the broker at {self.endpoint} refused our CURVE key"))
+            else:
+                self._resubmit(self._table.broker_lost(time.monotonic()))
 
     async def _reader(self) -> None:
         while True:
