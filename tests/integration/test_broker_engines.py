@@ -192,9 +192,9 @@ def test_client_endpoint_may_be_plain_tcp_on_loopback_and_from_config_finds_the_
     from deployment import free_port
 
     port = free_port()
-    toml = f'[broker]\nclient_endpoint = "tcp://127.0.0.1:{port}"\ninsecure = true\n' + SLOW.format(
-        delay=0.0
-    ).replace("[broker]", "")
+    toml = f'[broker]\nclient_endpoint = "tcp://127.0.0.1:{port}"\ninsecure = true\n' + SLOW.format(delay=0.0).replace(
+        "[broker]", ""
+    )
     c = cluster_factory(toml)
     c.start_broker()
     c.start_engine("slow", 0)
