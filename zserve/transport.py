@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 _PR_SET_PDEATHSIG = 1
+_TCP_PING_MS = 500
 
 # The CURVE identity (a zserve.keys.CurveKeys) every socket of this process uses when it connects to a tcp
 # endpoint; set once by a worker that joins a remote broker, so that each of its sockets (the runner's own
@@ -51,6 +52,10 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.IPV6, 1)
+        # ZMTP pings: a connection whose link died without a FIN (a cable, a partition) is dropped and
+        # redialled within seconds, rather than left to TCP's retransmission backoff of minutes.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _TCP_PING_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * _TCP_PING_MS)
         curve = curve if curve is not None else _tcp_curve
         if curve is not None and not bind:
             sock.curve_publickey = curve.public
