@@ -18,6 +18,7 @@ def _load(path: str) -> Config | None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from zserve.devices import check_devices
     from zserve.logs import setup_logging
     from zserve.supervisor import Supervisor
 
@@ -30,6 +31,7 @@ def _up(args: argparse.Namespace) -> int:
         config.frontends.host = args.host
     setup_logging("supervisor", args.log_level)
     try:
+        check_devices(config.models)  # this host runs the engines: every cuda:N must be here
         supervisor = Supervisor(config, args.config)
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)

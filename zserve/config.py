@@ -115,7 +115,8 @@ class ModelConfig(_Section, kw_only=True):
     # of timeout_ms and 10x the slowest recent batch of the model (see README).
     batch_timeout_s: PositiveFloat | None = None
     threads: PositiveInt = 1  # torch intra-op threads per engine
-    devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
+    devices: list[str] = []  # "cuda:N" or "cpu"; engine i gets devices[i % len]; [] = "cpu"
+    engines_per_device: PositiveInt | None = None  # set: engines = len(devices) x this, each device alike
     options: dict[str, Any] = {}  # passed to the handler's constructor
     preprocess_workers: Annotated[int, Meta(ge=1)] | None = None  # None = see preprocess_workers_for
 
@@ -124,6 +125,18 @@ class ModelConfig(_Section, kw_only=True):
             raise ValueError(f"name {self.name!r} must match {_MODEL_NAME.pattern}")
         if not _HANDLER.match(self.handler):
             raise ValueError(f"handler {self.handler!r} must look like 'package.module:Class'")
+        bad = [d for d in self.devices if d != "cpu" and not re.match(r"^cuda:\d+$", d)]
+        if bad:
+            raise ValueError(f"devices {bad} must each be 'cuda:N' or 'cpu'")
+        if self.engines_per_device is not None:
+            if not self.devices:
+                raise ValueError("engines_per_device needs devices = [...]")
+            count = len(self.devices) * self.engines_per_device
+            if self.engines not in (1, count):
+                raise ValueError(
+                    f"engines = {self.engines} contradicts {len(self.devices)} devices x engines_per_device"
+                )
+            self.engines = count
 
     def device_for(self, engine_index: int) -> str:
         return self.devices[engine_index % len(self.devices)] if self.devices else "cpu"

@@ -26,6 +26,7 @@ from zserve.config import (
     _Section,
     check_tcp_endpoint,
 )
+from zserve.devices import check_devices
 from zserve.supervisor import _TICK_S, Child, StartupError, Supervisor
 
 
@@ -84,6 +85,7 @@ class WorkerHost(Supervisor):
             broker=BrokerConfig(heartbeat_interval_ms=r.heartbeat_interval_ms, heartbeat_liveness=r.heartbeat_liveness),
             models=workers.models,
         )
+        check_devices(workers.models)
         super().__init__(config, config_path)
         self.endpoints = Endpoints(client="", work=r.work_endpoint, out=r.out_endpoint)
         if not r.insecure:
