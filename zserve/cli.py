@@ -19,6 +19,7 @@ def _load(path: str) -> Config | None:
 
 def _up(args: argparse.Namespace) -> int:
     from zserve.devices import check_devices
+    from zserve.keys import check_broker_keys
     from zserve.logs import setup_logging
     from zserve.supervisor import Supervisor
 
@@ -32,6 +33,9 @@ def _up(args: argparse.Namespace) -> int:
     setup_logging("supervisor", args.log_level)
     try:
         check_devices(config.models)  # this host runs the engines: every cuda:N must be here
+        b = config.broker
+        if any(b.remote_endpoints()) and not b.insecure:
+            check_broker_keys(b.curve_key, b.authorized_keys_dir)
         supervisor = Supervisor(config, args.config)
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)

@@ -95,3 +95,15 @@ def start_authenticator(ctx: zmq.Context, authorized_keys_dir: str) -> ThreadAut
     auth.start()
     auth.configure_curve(domain=ZAP_DOMAIN, location=authorized_keys_dir)  # pyzmq's "*" is no wildcard
     return auth
+
+
+def check_broker_keys(curve_key: str, authorized_keys_dir: str) -> None:
+    """At start, not in the broker child: a missing key file is a config error, not a crash loop."""
+    from zserve.config import ConfigError
+
+    try:
+        _load(curve_key, need_secret=True)
+    except ValueError as exc:
+        raise ConfigError(f"broker.curve_key: {exc}") from None
+    if not Path(authorized_keys_dir).is_dir():
+        raise ConfigError(f"broker.authorized_keys_dir: {authorized_keys_dir} is not a directory")

@@ -4,7 +4,6 @@ keys, against a real broker and engine."""
 from __future__ import annotations
 
 import asyncio
-import os
 import stat
 import subprocess
 import sys
@@ -36,9 +35,9 @@ def test_keys_generate_writes_a_pair_with_a_private_secret_and_never_overwrites(
     assert first.returncode == 0, first.stderr
     secret = tmp_path / "k" / "gpu1.key_secret"
     assert stat.S_IMODE(secret.stat().st_mode) & 0o077 == 0
-    public, secret_key = CurveKeys.load(secret, tmp_path / "k" / "gpu1.key").public, None
-    assert len(public) == 40 and "secret" not in (tmp_path / "k" / "gpu1.key").read_text().split("metadata")[-1]
-    del secret_key
+    keys = CurveKeys.load(secret, tmp_path / "k" / "gpu1.key")
+    assert len(keys.public) == len(keys.secret) == 40 and keys.public == keys.server_public
+    assert "secret-key" not in (tmp_path / "k" / "gpu1.key").read_text()  # the public file holds no secret
     again = subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert again.returncode == 2 and "not overwritten" in again.stderr
     with pytest.raises(ValueError, match="no secret key"):
@@ -143,4 +142,11 @@ def test_workers_config_needs_the_remote_endpoints_and_keys(tmp_path):
         load_workers_config(path)
     path.write_text('[broker]\nwork_endpoint = "tcp://h:1"\nout_endpoint = "tcp://h:2"\ninsecure = true\n' + MODEL)
     assert load_workers_config(path).models[0].name == "echo"
-    assert os.environ.get("ZSERVE_SUPERVISED") != "1"
+
+
+def test_zserve_up_with_a_missing_broker_key_is_a_config_error(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(broker_toml("127.0.0.1", (free_port(), free_port(), free_port()), tmp_path / "nokeys") + MODEL)
+    argv = [sys.executable, "-m", "zserve.cli", "up", "-c", str(path)]
+    run = subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert run.returncode == 2 and "broker.curve_key: cannot read CURVE key" in run.stderr, run.stderr
