@@ -29,6 +29,7 @@ import zmq
 from zserve.broker.core import BrokerCore
 from zserve.config import Config, Endpoints
 from zserve.frames import pack, received
+from zserve.keys import apply_server, start_authenticator
 from zserve.logs import setup_logging
 from zserve.protocol import Codec
 from zserve.transport import die_with_parent, make_socket
@@ -57,14 +58,32 @@ class Broker:
         )
         self.codec = Codec()
         self.stopping = False
-        self.local_workers = endpoints.work.startswith("ipc://")  # workers of another host cannot be killed
         self.ctx = zmq.Context()
         self.client = make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True, mandatory=True)
         self.work = make_socket(self.ctx, zmq.ROUTER, endpoints.work, bind=True, mandatory=True)
         self.out = make_socket(self.ctx, zmq.PULL, endpoints.out, bind=True)
+        self.auth = self._bind_remote(config)
         self.poller = zmq.Poller()
         for sock in (self.client, self.work, self.out):
             self.poller.register(sock, zmq.POLLIN)
+
+    def _bind_remote(self, config: Config) -> Any:
+        """Bind [broker]'s tcp endpoints beside the ipc ones. libzmq copies a socket's options when it binds,
+        so the ipc endpoints (bound above, in the 0700 run dir) stay plain while the tcp ones are CURVE
+        servers whose clients the ZAP handler checks against the authorized keys."""
+        b = config.broker
+        pairs = [(s, e) for s, e in zip((self.client, self.work, self.out), b.remote_endpoints(), strict=True) if e]
+        if not pairs:
+            return None
+        auth = None
+        if not b.insecure:
+            auth = start_authenticator(self.ctx, b.authorized_keys_dir)
+        for sock, endpoint in pairs:
+            if not b.insecure:
+                apply_server(sock, b.curve_key)
+            sock.bind(endpoint)
+            log.info("listening on %s (%s)", endpoint, "plain, insecure" if b.insecure else "CURVE")
+        return auth
 
     # ---- receiving ----
 
@@ -150,17 +169,15 @@ class Broker:
 
     def kill_hung(self, pid: int, name: str) -> None:
         """SIGKILL a hung worker of this host; its supervisor (zserve up, supervisord) starts a new one. The
-        pid is checked against the worker's name first: a pid that was reused belongs to someone else."""
-        if not self.local_workers:
-            log.error("hung worker %s (pid %d) is on another host: restart it there", name, pid)
-            return
+        pid is checked against the worker's name first: a pid that was reused, or that of another host's worker,
+        belongs to someone else."""
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:
-            return  # gone already
+            argv = []
         if name.rsplit(":", 1)[0].encode() not in argv:
-            log.error("pid %d is not worker %s any more: not killed", pid, name)
+            log.error("hung worker %s (pid %d) is not a process of this host: restart it where it runs", name, pid)
             return
         log.warning("killing hung worker %s (pid %d)", name, pid)
         try:
@@ -173,6 +190,8 @@ class Broker:
         self.send_output()
         for sock in (self.client, self.work, self.out):
             sock.close(linger=500)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         log.info("broker stopped")
 

@@ -25,10 +25,11 @@ import zmq
 
 from zserve.config import ModelConfig
 from zserve.frames import pack, received
+from zserve.keys import CurveKeys
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
 from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
-from zserve.transport import die_with_parent, make_socket
+from zserve.transport import die_with_parent, make_socket, use_curve_for_tcp
 
 log = logging.getLogger("zserve.worker")
 
@@ -70,6 +71,7 @@ class WorkerLink:
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.dealer: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
         self.push = make_socket(self.ctx, zmq.PUSH, out_endpoint, bind=False, linger_ms=2000)
 
     def guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
@@ -98,10 +100,23 @@ class WorkerLink:
 
     def _connect(self) -> None:
         if self.dealer is not None:
+            self.dealer.disable_monitor()
             self.dealer.close(linger=0)  # drops Hellos queued for a broker that is gone
         self.dealer = make_socket(
             self.ctx, zmq.DEALER, self.work_endpoint, bind=False, identity=self.worker_id.encode()
         )
+        if self.work_endpoint.startswith("tcp://"):
+            # Over CURVE a refused key looks like silence; the monitor tells the two apart.
+            failed = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            self.monitor = self.dealer.get_monitor_socket(failed)
+
+    def _refused(self) -> bool:
+        """Whether the broker refused this worker's CURVE key since the last connect."""
+        refused = False
+        while self.monitor is not None and self.monitor.poll(0):
+            self.monitor.recv_multipart()
+            refused = True
+        return refused
 
     def _hello(self) -> None:
         self.registered.clear()
@@ -139,7 +154,15 @@ class WorkerLink:
             while not self.stop.is_set():
                 if not self.dealer.poll(int(self.interval_s * 1000)):
                     if time.monotonic() - last_broker_s > self.liveness_s:
-                        log.warning("%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s)
+                        if self._refused():
+                            log.error(
+                                "%s: the broker at %s refused this host's CURVE key (not in its authorized_keys_dir, "
+                                "or the broker key is wrong); retrying", self.worker_id, self.work_endpoint,
+                            )  # fmt: skip
+                        else:
+                            log.warning(
+                                "%s: broker silent for %.1fs; registering again", self.worker_id, self.liveness_s
+                            )
                         if on_reset is not None:
                             on_reset()
                         self._connect()
@@ -176,6 +199,9 @@ class WorkerLink:
         finally:
             self.stop.set()
             beater.join(timeout=2 * self.interval_s + 1)
+            if self.monitor is not None:
+                self.dealer.disable_monitor()
+                self.monitor.close(linger=0)
             self.dealer.close(linger=0)
             self.push.close(linger=2000)
             self.ctx.term()
@@ -207,6 +233,8 @@ def run_worker(
     parser.add_argument("--credits", type=int, default=None, help="default: the model's credits")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=250)
     parser.add_argument("--heartbeat-liveness", type=int, default=4)
+    parser.add_argument("--curve-key", default="", help="this host's NAME.key_secret, for tcp endpoints")
+    parser.add_argument("--broker-key", default="", help="the broker's public NAME.key, for tcp endpoints")
     args = parser.parse_args(argv)
 
     setup_logging(args.name)
@@ -217,6 +245,8 @@ def run_worker(
         log.error("bad --model-json: %s", exc)
         return 2
     _set_threads(config.threads)
+    if args.curve_key:
+        use_curve_for_tcp(CurveKeys.load(args.curve_key, args.broker_key))
     link = WorkerLink(
         name=args.name,
         role=role,

@@ -18,6 +18,8 @@ def _load(path: str) -> Config | None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from zserve.devices import check_devices
+    from zserve.keys import check_broker_keys
     from zserve.logs import setup_logging
     from zserve.supervisor import Supervisor
 
@@ -30,6 +32,10 @@ def _up(args: argparse.Namespace) -> int:
         config.frontends.host = args.host
     setup_logging("supervisor", args.log_level)
     try:
+        check_devices(config.models)  # this host runs the engines: every cuda:N must be here
+        b = config.broker
+        if any(b.remote_endpoints()) and not b.insecure:
+            check_broker_keys(b.curve_key, b.authorized_keys_dir)
         supervisor = Supervisor(config, args.config)
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)
@@ -97,6 +103,31 @@ def _status(args: argparse.Namespace) -> int:
         return 2
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from zserve.keys import generate
+
+    try:
+        public, secret = generate(args.dir, args.name)
+    except (FileExistsError, OSError) as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {public} (public: copy it into the broker's authorized_keys_dir, or to the parties) and {secret}")
+    return 0
+
+
+def _workers(args: argparse.Namespace) -> int:
+    from zserve.logs import setup_logging
+    from zserve.worker_host import WorkerHost, load_workers_config
+
+    setup_logging("supervisor", args.log_level)
+    try:
+        host = WorkerHost(load_workers_config(args.config), args.config)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+    return host.run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zserve", description="High-throughput model serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the broker (default: %(default)s)")
     st.set_defaults(func=_status)
+
+    keys = sub.add_parser("keys", help="CURVE key pairs for tcp endpoints")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = keys_sub.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret")
+    gen.add_argument("dir")
+    gen.add_argument("--name", default="broker", help="the key pair's name (default: %(default)s)")
+    gen.set_defaults(func=_keys)
+
+    workers = sub.add_parser(
+        "workers",
+        help="a worker host: engines and stages that join a broker on another host",
+        description="Start the engines and stages of workers.toml's [[models]], connected to the remote broker of "
+        "its [broker] table over tcp (CURVE), supervised like `zserve up` (restarts, backoff, giving up loudly).",
+    )
+    workers.add_argument("-c", "--config", default="workers.toml", help="(default: %(default)s)")
+    workers.add_argument("--log-level", default=None)
+    workers.set_defaults(func=_workers)
     return parser
 
 

@@ -45,13 +45,49 @@ class SupervisorConfig(_Section, kw_only=True):
 
 
 class BrokerConfig(_Section, kw_only=True):
-    client_endpoint: str = ""  # "" = ipc://RUN_DIR/client.sock; may be tcp://HOST:PORT
-    work_endpoint: str = ""  # "" = ipc://RUN_DIR/work.sock; tcp:// for engines on other hosts
-    out_endpoint: str = ""  # "" = ipc://RUN_DIR/out.sock
+    # Processes of this host always use ipc://RUN_DIR/{client,work,out}.sock; a tcp://HOST:PORT here is
+    # bound as well, for direct clients (client) and worker hosts (work, out) elsewhere.
+    client_endpoint: str = ""
+    work_endpoint: str = ""
+    out_endpoint: str = ""
+    curve_key: str = ""  # the broker's NAME.key_secret; required with a tcp endpoint unless insecure
+    authorized_keys_dir: str = ""  # the NAME.key (public) of every client and worker host admitted over tcp
+    insecure: bool = False  # tcp without CURVE: anyone who reaches the port is served; loopback only...
+    insecure_any_host: bool = False  # ...unless this is set too
     heartbeat_interval_ms: PositiveInt = 250
     heartbeat_liveness: PositiveInt = 4  # missed intervals before a worker (or the broker) is declared lost
     max_redispatch: NonNegativeInt = 1  # re-dispatches of a lost batch before ENGINE_LOST
     drain_timeout_s: NonNegativeFloat = 10.0
+
+    def __post_init__(self) -> None:
+        for key in ("client_endpoint", "work_endpoint", "out_endpoint"):
+            check_tcp_endpoint(f"broker.{key}", getattr(self, key), self.insecure, self.insecure_any_host)
+        if any(e.startswith("tcp://") for e in self.remote_endpoints()) and not self.insecure:
+            if not self.curve_key or not self.authorized_keys_dir:
+                raise ValueError(
+                    "a tcp:// endpoint needs curve_key and authorized_keys_dir (CURVE; see `zserve keys "
+                    "generate`), or insecure = true"
+                )
+
+    def remote_endpoints(self) -> tuple[str, str, str]:
+        return self.client_endpoint, self.work_endpoint, self.out_endpoint
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "[::1]", "localhost")
+
+
+def check_tcp_endpoint(key: str, endpoint: str, insecure: bool, any_host: bool) -> None:
+    """``endpoint`` is "" or tcp://HOST:PORT; plain (insecure) tcp only on loopback unless ``any_host``."""
+    if not endpoint:
+        return
+    match = re.match(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):(\d{1,5})$", endpoint)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{key} = {endpoint!r} must look like tcp://HOST:PORT (ipc is always there)")
+    if insecure and not any_host and match.group(1) not in _LOOPBACK:
+        raise ValueError(
+            f"{key} = {endpoint!r}: insecure (plain) tcp binds to loopback only; set insecure_any_host = true "
+            "to expose it, or use CURVE"
+        )
 
 
 class FrontendsConfig(_Section, kw_only=True):
@@ -84,7 +120,8 @@ class ModelConfig(_Section, kw_only=True):
     # of timeout_ms and 10x the slowest recent batch of the model (see README).
     batch_timeout_s: PositiveFloat | None = None
     threads: PositiveInt = 1  # torch intra-op threads per engine
-    devices: list[str] = []  # engine i gets devices[i % len]; [] = "cpu"
+    devices: list[str] = []  # "cuda:N" or "cpu"; engine i gets devices[i % len]; [] = "cpu"
+    engines_per_device: PositiveInt | None = None  # set: engines = len(devices) x this, each device alike
     options: dict[str, Any] = {}  # passed to the handler's constructor
     preprocess_workers: Annotated[int, Meta(ge=1)] | None = None  # None = see preprocess_workers_for
 
@@ -93,6 +130,18 @@ class ModelConfig(_Section, kw_only=True):
             raise ValueError(f"name {self.name!r} must match {_MODEL_NAME.pattern}")
         if not _HANDLER.match(self.handler):
             raise ValueError(f"handler {self.handler!r} must look like 'package.module:Class'")
+        bad = [d for d in self.devices if d != "cpu" and not re.match(r"^cuda:\d+$", d)]
+        if bad:
+            raise ValueError(f"devices {bad} must each be 'cuda:N' or 'cpu'")
+        if self.engines_per_device is not None:
+            if not self.devices:
+                raise ValueError("engines_per_device needs devices = [...]")
+            count = len(self.devices) * self.engines_per_device
+            if self.engines not in (1, count):
+                raise ValueError(
+                    f"engines = {self.engines} contradicts {len(self.devices)} devices x engines_per_device"
+                )
+            self.engines = count
 
     def device_for(self, engine_index: int) -> str:
         return self.devices[engine_index % len(self.devices)] if self.devices else "cpu"
@@ -175,18 +224,15 @@ def run_dir_for(config: Config, config_path: str | os.PathLike[str]) -> Path:
 
 
 def endpoints_for(config: Config, run_dir: Path) -> Endpoints:
+    """The ipc endpoints every process of this host uses; [broker]'s tcp endpoints are bound beside them."""
+
     def ipc(name: str) -> str:
         address = f"ipc://{run_dir / name}"
         if len(address) - len("ipc://") > _MAX_IPC_PATH:
             raise ConfigError(f"supervisor.run_dir: {run_dir} is too long for an ipc socket path; choose a shorter one")
         return address
 
-    b = config.broker
-    return Endpoints(
-        client=b.client_endpoint or ipc("client.sock"),
-        work=b.work_endpoint or ipc("work.sock"),
-        out=b.out_endpoint or ipc("out.sock"),
-    )
+    return Endpoints(client=ipc("client.sock"), work=ipc("work.sock"), out=ipc("out.sock"))
 
 
 class ServedModel(msgspec.Struct, kw_only=True):

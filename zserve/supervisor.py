@@ -112,6 +112,7 @@ class Supervisor:
         self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
         self.staged, self.generative = model_kinds(config)  # raises ConfigError
         self.children: list[Child] = []
+        self.worker_argv_extra: list[str] = []  # a worker host's CURVE key arguments (zserve.worker_host)
         # Our own key for /readyz, which needs one when [frontends] auth_health is set.
         self.probe_key = secrets.token_urlsafe(32)
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
@@ -166,7 +167,7 @@ class Supervisor:
                 "--model-json", msgspec.json.encode(model).decode(), "--device", device,
                 "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
                 "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
-                "--heartbeat-liveness", str(b.heartbeat_liveness)]  # fmt: skip
+                "--heartbeat-liveness", str(b.heartbeat_liveness), *self.worker_argv_extra]  # fmt: skip
 
     def worker_children(self) -> list[Child]:
         """Every engine and stage process of the deployment, model by model."""

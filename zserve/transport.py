@@ -7,10 +7,22 @@ import os
 import signal
 import socket
 import sys
+from typing import Any
 
 import zmq
 
 _PR_SET_PDEATHSIG = 1
+_TCP_PING_MS = 500
+
+# The CURVE identity (a zserve.keys.CurveKeys) every socket of this process uses when it connects to a tcp
+# endpoint; set once by a worker that joins a remote broker, so that each of its sockets (the runner's own
+# result PUSH included) authenticates without being told.
+_tcp_curve: Any = None
+
+
+def use_curve_for_tcp(keys: Any) -> None:
+    global _tcp_curve
+    _tcp_curve = keys
 
 
 def make_socket(
@@ -23,9 +35,11 @@ def make_socket(
     hwm: int = 100_000,
     linger_ms: int = 0,
     mandatory: bool = False,
+    curve: Any = None,
 ) -> zmq.Socket:
     """A socket with explicit options. ``mandatory`` (ROUTER): a send to a departed peer raises
-    EHOSTUNREACH instead of vanishing, so the broker notices at once."""
+    EHOSTUNREACH instead of vanishing, so the broker notices at once. ``curve`` (a zserve.keys.CurveKeys):
+    authenticate a tcp connection with it (default: the process's, see ``use_curve_for_tcp``)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -38,6 +52,15 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.IPV6, 1)
+        # ZMTP pings: a connection whose link died without a FIN (a cable, a partition) is dropped and
+        # redialled within seconds, rather than left to TCP's retransmission backoff of minutes.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _TCP_PING_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 4 * _TCP_PING_MS)
+        curve = curve if curve is not None else _tcp_curve
+        if curve is not None and not bind:
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
+            sock.curve_serverkey = curve.server_public
     if bind:
         sock.bind(endpoint)
     else:

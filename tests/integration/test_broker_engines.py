@@ -188,20 +188,24 @@ def test_broker_restart_loses_no_accepted_request_and_engines_re_register(cluste
     assert os.path.exists(c.run_dir)
 
 
-def test_client_endpoint_may_be_tcp_and_from_config_finds_it(cluster_factory, tmp_path):
+def test_client_endpoint_may_be_plain_tcp_on_loopback_and_from_config_finds_the_ipc_one(cluster_factory, tmp_path):
     from deployment import free_port
 
     port = free_port()
-    toml = f'[broker]\nclient_endpoint = "tcp://127.0.0.1:{port}"\n' + SLOW.format(delay=0.0).replace("[broker]", "")
+    toml = f'[broker]\nclient_endpoint = "tcp://127.0.0.1:{port}"\ninsecure = true\n' + SLOW.format(delay=0.0).replace(
+        "[broker]", ""
+    )
     c = cluster_factory(toml)
     c.start_broker()
     c.start_engine("slow", 0)
     c.wait_ready({"slow": 1})
     path = tmp_path / "tcp.toml"
-    path.write_text(toml)
-    with zserve.Client.from_config(path) as client:
-        assert client.endpoint == f"tcp://127.0.0.1:{port}"
+    path.write_text(f'[supervisor]\nrun_dir = "{c.run_dir}"\n' + toml)
+    with zserve.Client(f"tcp://127.0.0.1:{port}") as client:
         assert client.predict("slow", "over tcp")["echo"] == "over tcp"
+    with zserve.Client.from_config(path) as client:  # a process of this host: the ipc endpoint
+        assert client.endpoint == f"ipc://{c.run_dir}/client.sock"
+        assert client.predict("slow", "over ipc")["echo"] == "over ipc"
 
 
 def test_generate_on_a_model_that_is_not_generative_is_a_clear_error(cluster_factory):

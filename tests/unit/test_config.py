@@ -42,7 +42,8 @@ def test_run_dir_is_derived_from_the_config_path_and_endpoints_can_be_tcp(tmp_pa
     assert run_dir_for(config, a) == run_dir_for(config, a) != run_dir_for(config, b)
     ep = endpoints_for(config, run_dir_for(config, a))
     assert ep.client.startswith("ipc://") and ep.client.endswith("client.sock")
-    tcp = parse_config('[broker]\nclient_endpoint = "tcp://127.0.0.1:5555"\n' + MODEL)
-    assert endpoints_for(tcp, tmp_path).client == "tcp://127.0.0.1:5555"
+    tcp = parse_config('[broker]\nclient_endpoint = "tcp://127.0.0.1:5555"\ninsecure = true\n' + MODEL)
+    assert endpoints_for(tcp, tmp_path).client.startswith("ipc://")  # this host's processes keep ipc
+    assert tcp.broker.remote_endpoints() == ("tcp://127.0.0.1:5555", "", "")
     with pytest.raises(ConfigError, match="too long"):
         endpoints_for(config, tmp_path / ("x" * 120))

@@ -12,14 +12,16 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zserve import payload
 from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
 from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
-from zserve.client.sync import endpoint_from_config, submits_messages
+from zserve.client.sync import _AUTH_FAILED, endpoint_from_config, submits_messages
 from zserve.errors import BrokerUnavailable, ZserveError
 from zserve.frames import received
 from zserve.generation import GenerateResponse
+from zserve.keys import AuthenticationFailed, CurveKeys
 from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
 
@@ -53,13 +55,15 @@ class AsyncClient:
         endpoint: str,
         *,
         timeout_ms: int | None = None,
+        curve_keys: CurveKeys | None = None,
         cost_of: Mapping[str, Callable[[Any], int]] | None = None,
     ) -> None:
-        """``cost_of``: per model batched by cost (``max_batch_cost``), the cost of a decoded item (the
-        frontends pass each such model's ``Model.cost``), so every ``decoded=True`` request of any route
-        carries it."""
+        """``curve_keys``: as for ``Client``, over a CURVE tcp endpoint. ``cost_of``: per model batched by
+        cost (``max_batch_cost``), the cost of a decoded item (the frontends pass each such model's
+        ``Model.cost``), so every ``decoded=True`` request of any route carries it."""
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
+        self.curve_keys = curve_keys
         self._cost_of = dict(cost_of or {})
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -85,8 +89,8 @@ class AsyncClient:
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
             self._ctx = zmq.asyncio.Context()
-            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False, curve=self.curve_keys)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _AUTH_FAILED)
             self._tasks = [asyncio.create_task(t) for t in (self._reader(), self._watchdog(), self._on_disconnect())]
         return self._sock
 
@@ -245,8 +249,11 @@ class AsyncClient:
 
     async def _on_disconnect(self) -> None:
         while True:
-            await self._monitor.recv_multipart()
-            self._resubmit(self._table.broker_lost(time.monotonic()))
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event & _AUTH_FAILED:
+                self._table.fail_all(AuthenticationFailed(f"the broker at {self.endpoint} refused our CURVE key"))
+            else:
+                self._resubmit(self._table.broker_lost(time.monotonic()))
 
     async def _reader(self) -> None:
         while True:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from zserve import payload
 from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
@@ -21,9 +22,12 @@ from zserve.config import endpoints_for, load_config, run_dir_for
 from zserve.errors import BrokerUnavailable, Cancelled, ZserveError
 from zserve.frames import pack, received
 from zserve.generation import GenerateResponse
+from zserve.keys import AuthenticationFailed, CurveKeys
 from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit, Submits
 from zserve.transport import make_socket
 
+# The CURVE handshake failed: our key is not authorized, or the broker key is not that broker's.
+_AUTH_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 MAX_ITEMS_PER_MESSAGE = 1024  # bounds one Submits (and the broker's work on it) under a burst
 
 
@@ -72,11 +76,15 @@ class _Outgoing:
 
 
 class Client:
-    """A thread-safe, blocking/futures client. ``Client(endpoint)`` or ``Client.from_config(path)``."""
+    """A thread-safe, blocking/futures client. ``Client(endpoint)`` or ``Client.from_config(path)``; over tcp
+    with CURVE, ``Client("tcp://HOST:PORT", curve_keys=zserve.keys.CurveKeys.load(my_key_secret, broker_key))``
+    (a refused key fails every pending request with ``AuthenticationFailed``)."""
 
-    def __init__(self, endpoint: str, *, timeout_ms: int | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_ms: int | None = None, curve_keys: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
+        self.curve_keys = curve_keys
+        self._refused: AuthenticationFailed | None = None  # set by the IO thread when the broker refuses our key
         self._ctx = zmq.Context()
         self._table = PendingTable(endpoint)  # the IO thread's only
         # What callers queued for the IO thread (under the lock): sent in this order at its next turn.
@@ -146,7 +154,9 @@ class Client:
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            raise BrokerUnavailable(f"no answer from the broker at {self.endpoint} in {timeout_s}s") from None
+            raise self._refused or BrokerUnavailable(
+                f"no answer from the broker at {self.endpoint} in {timeout_s}s"
+            ) from None
 
     def close(self) -> None:
         with self._lock:
@@ -203,8 +213,8 @@ class Client:
 
     def _io_loop(self) -> None:
         codec = Codec()
-        sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # the broker went away: resubmit
+        sock = make_socket(self._ctx, zmq.DEALER, self.endpoint, bind=False, curve=self.curve_keys)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _AUTH_FAILED)  # the broker went away: resubmit
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -246,9 +256,14 @@ class Client:
                             _send_items(sock, codec, resend)
                 now = time.monotonic()
                 if monitor in events:
+                    refused = False
                     while monitor.poll(0):
-                        monitor.recv_multipart()
-                    _send_items(sock, codec, table.broker_lost(now))
+                        refused |= bool(recv_monitor_message(monitor)["event"] & _AUTH_FAILED)
+                    if refused:  # no answer will ever come: say why rather than time out
+                        self._refused = AuthenticationFailed(f"the broker at {self.endpoint} refused our CURVE key")
+                        table.fail_all(self._refused)
+                    else:
+                        _send_items(sock, codec, table.broker_lost(now))
                 for req_id in table.expired(now):
                     sock.send(codec.encode(Cancel(req_id)))
                 if table.ping_due(now):

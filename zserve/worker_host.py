@@ -1,0 +1,130 @@
+"""``zserve workers -c workers.toml``: a worker host. It runs only the engines and stages of its
+[[models]] tables, connected to a broker on another host over tcp (CURVE unless ``insecure``), with the
+same supervision as ``zserve up`` (restarts with backoff, giving up loudly). The broker treats them like
+its own workers: credits, heartbeats, re-dispatch of what a lost worker held. A worker whose link drops
+hears no broker heartbeat for the liveness period, registers again, and is served again once the link is
+back (ZeroMQ reconnects by itself)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import msgspec
+
+from zserve.config import (
+    BrokerConfig,
+    Config,
+    ConfigError,
+    Endpoints,
+    ModelConfig,
+    PositiveInt,
+    SupervisorConfig,
+    _readable,
+    _Section,
+    check_tcp_endpoint,
+)
+from zserve.devices import check_devices
+from zserve.supervisor import _TICK_S, Child, StartupError, Supervisor
+
+
+class RemoteBrokerConfig(_Section, kw_only=True):
+    """Where the broker listens for workers of other hosts, and how this host authenticates."""
+
+    work_endpoint: str  # the broker's [broker] work_endpoint, tcp://HOST:PORT
+    out_endpoint: str  # its [broker] out_endpoint
+    curve_key: str = ""  # this host's NAME.key_secret (its NAME.key is in the broker's authorized_keys_dir)
+    broker_key: str = ""  # the broker's public NAME.key
+    insecure: bool = False  # plain tcp (the broker must say insecure = true as well)
+    heartbeat_interval_ms: PositiveInt = 250  # as the broker's
+    heartbeat_liveness: PositiveInt = 4
+
+    def __post_init__(self) -> None:
+        for key in ("work_endpoint", "out_endpoint"):
+            endpoint = getattr(self, key)
+            if not endpoint:
+                raise ValueError(f"broker.{key} is required: the remote broker's tcp://HOST:PORT")
+            check_tcp_endpoint(f"broker.{key}", endpoint, False, True)
+        if not self.insecure and (not self.curve_key or not self.broker_key):
+            raise ValueError("curve_key and broker_key are required (CURVE), or insecure = true")
+
+
+class WorkersConfig(_Section, kw_only=True):
+    host_name: str = ""  # "" = this machine's host name; part of every worker's name, as the broker logs it
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    broker: RemoteBrokerConfig
+    models: list[ModelConfig] = []
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one [[models]] table is required")
+
+
+def load_workers_config(path: str | os.PathLike[str]) -> WorkersConfig:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return msgspec.toml.decode(data, type=WorkersConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_readable(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+class WorkerHost(Supervisor):
+    """The Supervisor's child table and restart loop, with only engines and stages, pointed at a remote broker."""
+
+    def __init__(self, workers: WorkersConfig, config_path: str | os.PathLike[str]) -> None:
+        r = workers.broker
+        config = Config(
+            supervisor=workers.supervisor,
+            broker=BrokerConfig(heartbeat_interval_ms=r.heartbeat_interval_ms, heartbeat_liveness=r.heartbeat_liveness),
+            models=workers.models,
+        )
+        check_devices(workers.models)
+        super().__init__(config, config_path)
+        self.endpoints = Endpoints(client="", work=r.work_endpoint, out=r.out_endpoint)
+        if not r.insecure:
+            for path in (r.curve_key, r.broker_key):
+                if not Path(path).is_file():
+                    raise ConfigError(f"{config_path}: broker: key file {path} does not exist")
+            key, broker_key = (str(Path(p).expanduser().resolve()) for p in (r.curve_key, r.broker_key))
+            self.worker_argv_extra = ["--curve-key", key, "--broker-key", broker_key]
+        self.host_name = workers.host_name or socket.gethostname()
+
+    def worker_children(self) -> list[Child]:
+        """As ``zserve up``'s, named NAME@HOST: the broker's logs say which host a worker is on, and its
+        hung-worker check (by name in /proc) never takes a process of its own host for one of ours."""
+        children = super().worker_children()
+        for child in children:
+            name = f"{child.name}@{self.host_name}"
+            child.argv[child.argv.index("--name") + 1] = name
+            child.name = name
+        return children
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: object) -> None:
+            self.signalled = True
+            if not self.stopping.is_set():
+                self.say("supervisor", f"received {signal.Signals(signum).name}: stopping")
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.prepare_run_dir()
+            self.say("supervisor", f"worker host {self.host_name}: broker at {self.endpoints.work}")
+            for child in self.worker_children():
+                self.start(child)
+            while not self.stopping.wait(_TICK_S):
+                self.tick()
+        except StartupError as exc:
+            self.say("supervisor", f"ERROR {exc}")
+            self.gave_up = True
+        finally:
+            self.shutdown()
+        return 1 if self.gave_up else 0
