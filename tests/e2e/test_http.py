@@ -66,7 +66,7 @@ def deployment(request, tmp_path_factory):
     servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
     if len(servers) != 1 or len(servers[0].children()) != 2:  # the server's master and its 2 workers
         d.stop()
-        raise AssertionError(f"expected one {module} master with 2 workers: {servers}")
+        raise AssertionError(f"expected one {module} master with 2 workers: {servers}\n{d.output}")
     yield d
     everything = d.descendants()
     assert d.stop() == 0, d.output
