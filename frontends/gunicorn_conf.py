@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zserve.frontends.reload import worker_exited_line, worker_ready_line
 from zserve.transport import die_with_parent
 
 worker_class = "asgi"
@@ -21,7 +22,13 @@ def post_fork(server: Any, worker: Any) -> None:
     os.environ["ZSERVE_FRONTEND_INDEX"] = str(worker.age)
 
 
+def post_worker_init(worker: Any) -> None:
+    # The app is built; the worker accepts next. The supervisor's rolling reload waits for this line.
+    print(worker_ready_line(worker.pid), flush=True)
+
+
 def child_exit(server: Any, worker: Any) -> None:
+    print(worker_exited_line(worker.pid), flush=True)  # in the master, once the worker is reaped
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,7 +43,8 @@ from zserve.config import (
     run_dir_for,
 )
 from zserve.errors import BrokerUnavailable
-from zserve.frontends.servers import server_argv
+from zserve.frontends.reload import ReloadError, RollingReload
+from zserve.frontends.servers import listen_socket, server_argv
 from zserve.hooks import HookError, check_preprocess_hooks
 from zserve.model import load_handler, reports_cost, uses_preprocess
 from zserve.state import ProcessState, SupervisorState, write_state
@@ -94,6 +96,7 @@ class Child:
     started_at: float = 0.0  # wall-clock time of the last start
     restart_at: float | None = None
     pump: threading.Thread | None = None
+    pass_fds: tuple[int, ...] = ()  # the frontend's listening socket, which the supervisor owns
 
     @property
     def env(self) -> dict[str, str]:
@@ -116,6 +119,11 @@ class Supervisor:
         # Our own key for /readyz, which needs one when [frontends] auth_health is set.
         self.probe_key = secrets.token_urlsafe(32)
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
+        # The frontends' listening socket, bound by run() and kept open across frontend restarts, so that a
+        # dead master's connections wait in its backlog instead of being refused.
+        self.listener: socket.socket | None = None
+        self.reload_requested = threading.Event()  # SIGHUP: replace the frontend workers
+        self._reload: RollingReload | None = None  # the reload in progress, fed the frontend's output
         f = config.frontends
         host = f"[{f.host}]" if ":" in f.host else f.host
         self.url = f"http://{host}:{f.port}"
@@ -132,7 +140,10 @@ class Supervisor:
 
     def _pump(self, child: Child, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
-            self.say(child.name, raw.decode(errors="replace"))
+            line = raw.decode(errors="replace")
+            if child.role == "frontend" and (reload := self._reload) is not None:
+                reload.on_line(line)
+            self.say(child.name, line)
         stream.close()
 
     # ---- children ----
@@ -182,10 +193,11 @@ class Supervisor:
 
     def frontend_child(self) -> Child:
         """The HTTP server ([frontends] server); its environment is built by ``frontend_env`` when it
-        starts (a fresh metrics dir each time)."""
+        starts (a fresh metrics dir each time). gunicorn serves the supervisor's socket once run() has bound it."""
         f = self.config.frontends
-        argv = server_argv(f, self.run_dir / f"{f.server}-{f.port}.pid")  # one run dir may serve several ports
-        return Child("frontend", "frontend", argv, {})
+        fd = self.listener.fileno() if self.listener is not None and f.server == "gunicorn" else None
+        argv = server_argv(f, self.run_dir / f"{f.server}-{f.port}.pid", fd)  # one run dir may serve several ports
+        return Child("frontend", "frontend", argv, {}, pass_fds=(fd,) if fd is not None else ())
 
     def frontend_env(self) -> dict[str, str]:
         """What every frontend worker reads: its settings (JSON) and an empty prometheus multiprocess dir."""
@@ -207,6 +219,7 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            pass_fds=child.pass_fds,
         )
         child.pump = threading.Thread(target=self._pump, args=(child, child.proc.stdout), daemon=True)
         child.pump.start()
@@ -249,8 +262,9 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 continue
-            try:  # whatever the dead child left in its session (a gunicorn worker, a helper) goes with it
-                os.killpg(child.proc.pid, signal.SIGKILL)
+            try:  # whatever the dead child left in its session (a gunicorn worker, a helper) goes with it; a
+                # dead master's workers stop gracefully, answering the requests they hold
+                os.killpg(child.proc.pid, signal.SIGTERM if child.role == "frontend" else signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             while child.restarts and now - child.restarts[0] > s.restart_window_s:
@@ -347,6 +361,7 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload_requested.set())
         try:
             self.prepare_run_dir()
             self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
@@ -356,12 +371,17 @@ class Supervisor:
                 for child in self.worker_children():
                     self.start(child)
                 self.wait_until("the engines and stages to register", lambda: self.engines_registered(client))
+            self.bind_listener()
             self.start(self.frontend_child())
             self.wait_until(f"{self.url}/readyz", self._http_ready)
             self.say("supervisor", f"zserve ready: {self.url}")
             print(f"zserve ready: {self.url}", file=self.out, flush=True)
+            self.reload_requested.clear()  # a SIGHUP during start-up: the frontends are new anyway
             while not self.stopping.wait(_TICK_S):
                 self.tick()
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    self.reload_frontends()
         except StartupError as exc:
             if self.signalled and not self.gave_up:
                 self.say("supervisor", f"stopped during start-up ({exc})")  # asked to stop: not a failure
@@ -371,6 +391,46 @@ class Supervisor:
         finally:
             self.shutdown()
         return 1 if self.gave_up else 0
+
+    def bind_listener(self) -> None:
+        f = self.config.frontends
+        if f.server != "gunicorn":
+            return  # granian cannot serve an inherited socket: it binds host:port itself
+        try:
+            self.listener = listen_socket(f.host, f.port)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {self.url}: {exc}") from None
+
+    def reload_frontends(self) -> None:
+        """SIGHUP: replace the frontend workers with no failed request. gunicorn: one at a time, in a thread
+        (``RollingReload``) while ``tick`` goes on; granian: its own SIGHUP reload (it respawns each worker,
+        then stops the old one)."""
+        child = next((c for c in self.children if c.role == "frontend"), None)
+        if child is None or child.proc is None or child.restart_at is not None or child.proc.poll() is not None:
+            self.say("supervisor", "received SIGHUP: no frontend running, nothing to reload")
+            return
+        if self.config.frontends.server == "granian":
+            self.say("supervisor", f"received SIGHUP: reloading {child.name} (granian respawns its workers)")
+            child.proc.send_signal(signal.SIGHUP)
+            return
+        if self._reload is not None:
+            self.say("supervisor", "received SIGHUP: a frontend reload is already running")
+            return
+        f = self.config.frontends
+        self.say("supervisor", f"received SIGHUP: replacing the {f.workers} frontend workers one at a time")
+        # A step is a worker's boot or an old worker's graceful stop (at most graceful_timeout_s).
+        self._reload = RollingReload(child.proc.pid, f.workers, step_timeout_s=f.graceful_timeout_s + 60)
+        threading.Thread(target=self._run_reload, args=(self._reload,), daemon=True).start()
+
+    def _run_reload(self, reload: RollingReload) -> None:
+        at = time.monotonic()
+        try:
+            replaced = reload.run()
+            self.say("supervisor", f"frontend reload done: {replaced} workers replaced in {time.monotonic() - at:.1f}s")
+        except ReloadError as exc:
+            self.say("supervisor", f"ERROR frontend reload stopped: {exc}")
+        finally:
+            self._reload = None
 
     @staticmethod
     def _broker_answers(client: Client) -> bool:
@@ -406,6 +466,8 @@ class Supervisor:
     def shutdown(self) -> None:
         self.stopping.set()
         c = self.config
+        if self.listener is not None:  # new connections are refused from now on, not queued for no one
+            self.listener.close()
         self._stop("frontend", signal.SIGTERM, c.frontends.graceful_timeout_s + 5)
         self._stop("broker", signal.SIGTERM, c.broker.drain_timeout_s + 5)
         self._stop("engine", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
