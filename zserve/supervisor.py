@@ -466,7 +466,7 @@ class Supervisor:
     def shutdown(self) -> None:
         self.stopping.set()
         c = self.config
-        if self.listener is not None:  # new connections are refused from now on, not queued for no one
+        if self.listener is not None:  # our copy only: gunicorn keeps accepting on its own until it stops
             self.listener.close()
         self._stop("frontend", signal.SIGTERM, c.frontends.graceful_timeout_s + 5)
         self._stop("broker", signal.SIGTERM, c.broker.drain_timeout_s + 5)
