@@ -264,3 +264,58 @@ class EmbeddingList(msgspec.Struct):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+# Rerank and score (the shapes of Cohere's and vLLM's rerank API, and of vLLM's score API).
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    model: str
+    query: str
+    documents: Annotated[list[str | RerankDocument], Meta(min_length=1)]
+    top_n: Annotated[int, Meta(ge=1)] | None = None  # None: every document
+    return_documents: bool = True
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    index: int  # the document's position in the request
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(msgspec.Struct):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    results: list[RerankResult]  # best first
+    usage: RerankUsage
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """One text against one or many (text_1 a string), or pairwise (two lists of the same length)."""
+
+    model: str
+    text_1: str | Annotated[list[str], Meta(min_length=1)]
+    text_2: str | Annotated[list[str], Meta(min_length=1)]
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage

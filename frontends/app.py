@@ -20,6 +20,7 @@ from zserve.frontends.auth import RequireApiKey, api_keys_from
 from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_models
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
 from zserve.frontends.openapi import OpenApiResource, openapi_document
+from zserve.frontends.rerank_routes import RerankResource, ScoreResource, rerank_models
 from zserve.frontends.resources import (
     Health,
     LiveResource,
@@ -62,13 +63,18 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
         app.add_route("/mii/{deployment}", MiiResource(client, handlers, settings.max_body_bytes))
     if embedding_models(handlers):
         app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, settings.max_body_bytes))
+    if rerank_models(handlers):
+        rerank = RerankResource(client, handlers, settings.max_body_bytes)
+        app.add_route("/v1/rerank", rerank)
+        app.add_route("/v2/rerank", rerank)  # Cohere's v2 path; the same body and answer
+        app.add_route("/v1/score", ScoreResource(client, handlers, settings.max_body_bytes))
     app.add_route("/healthz", LiveResource())
     staged = [m.name for m in settings.models if m.preprocess]
     app.add_route("/readyz", ReadyResource(health, list(handlers), staged))
     app.add_route("/metrics", MetricsResource(health))
     generative = [name for name, h in handlers.items() if h.generative]
-    document = openapi_document(list(handlers), generative, list(embedding_models(handlers)), keys.enabled,
-                                settings.auth_health)  # fmt: skip
+    document = openapi_document(list(handlers), generative, list(embedding_models(handlers)),
+                                list(rerank_models(handlers)), keys.enabled, settings.auth_health)  # fmt: skip
     app.add_route("/openapi.json", OpenApiResource(document))
     log.info("frontend worker up (pid %d), models: %s, API keys %s", os.getpid(), ", ".join(handlers),
              "required" if keys.enabled else "off")  # fmt: skip

@@ -39,7 +39,7 @@ def _vector(output: np.ndarray, encoding_format: str) -> list[float] | str:
     return base64.b64encode(vector.tobytes()).decode() if encoding_format == "base64" else vector.tolist()
 
 
-async def _gather_or_cancel(coros: list[Any]) -> list[Any]:
+async def gather_or_cancel(coros: list[Any]) -> list[Any]:
     """All results, or the first error with the other requests cancelled (no work for a failed call)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -78,7 +78,7 @@ class EmbeddingsResource:
                     items.append(decode_item(model, {"text": text}))
                 except BadRequest as exc:
                     raise BadRequest(f"input {i}: {exc.message}", field="input") from None
-            answers = await _gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+            answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
         except Exception as exc:
             error = request_error(exc)
             if error is None:

@@ -17,7 +17,8 @@ _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     t.Error, t.OpenAIError, t.ModelList, t.Live, t.Ready, t.CompletionRequest, t.Completion,
     t.ChatCompletionRequest, t.ChatCompletion, t.ChatCompletionChunk, t.MiiRequest,
-    t.EmbeddingRequest, t.EmbeddingList, GenerateRequest, GenerateResponse,
+    t.EmbeddingRequest, t.EmbeddingList, t.RerankRequest, t.RerankResponse, t.ScoreRequest, t.ScoreResponse,
+    GenerateRequest, GenerateResponse,
 )  # fmt: skip
 _WHY = {
     400: "a field is invalid (`field`/`param` names it), or the body is not JSON",
@@ -46,7 +47,7 @@ class _Builder:
 
     def add(self, path: str, method: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...],
             error_type: Any = t.Error, body: dict[str, Any] | None = None, health: bool = False,
-            parameters: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
+            parameters: list[dict[str, Any]] | None = None, raw_body: bool = False) -> None:  # fmt: skip
         needs_key = self.secured and (self.auth_health or not health)
         codes = sorted({*errors, 401} if needs_key else set(errors))
         operation: dict[str, Any] = {
@@ -57,7 +58,10 @@ class _Builder:
         if parameters:
             operation["parameters"] = parameters
         if body is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+            content = {"application/json": {"schema": body}}
+            if raw_body:  # the bytes go to decode_request as they are (an image file, say)
+                content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
+            operation["requestBody"] = {"required": True, "content": content}
         if needs_key:
             operation["security"] = [{"bearer": []}]
         self.paths.setdefault(path, {})[method] = operation
@@ -88,13 +92,19 @@ def _sse_or_json(struct: Any, chunk: Any, what: str) -> dict[str, Any]:
 
 
 def openapi_document(
-    models: list[str], generative: list[str], embedding: list[str], secured: bool, auth_health: bool
+    models: list[str],
+    generative: list[str],
+    embedding: list[str],
+    rerank: list[str],
+    secured: bool,
+    auth_health: bool,
 ) -> dict[str, Any]:
-    """The document for a deployment serving ``models`` (of which ``generative`` and ``embedding``)."""
+    """The document for a deployment serving ``models`` (of which ``generative``, ``embedding``, ``rerank``)."""
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     # This deployment's model names, so that clients (and schemathesis) see which ones exist.
     for struct, names in ((t.CompletionRequest, generative), (t.ChatCompletionRequest, generative),
-                          (t.EmbeddingRequest, embedding)):  # fmt: skip
+                          (t.EmbeddingRequest, embedding), (t.RerankRequest, rerank),
+                          (t.ScoreRequest, rerank)):  # fmt: skip
         if names:
             components[struct.__name__]["properties"]["model"]["enum"] = names
     b = _Builder(secured, auth_health)
@@ -104,7 +114,7 @@ def openapi_document(
           {**_json({}, "the model's answer"), "headers": {
               "X-Zserve-Batch-Size": {"schema": {"type": "integer"}, "description": "the batch it ran in"},
               "X-Zserve-Queue-Ms": {"schema": {"type": "number"}, "description": "time queued in the broker"}}},
-          errors, body={}, parameters=_name_parameter("name", models))  # fmt: skip
+          errors, body={}, parameters=_name_parameter("name", models), raw_body=True)  # fmt: skip
     b.add("/v1/models", "get", "The models served", _json(_ref(t.ModelList), "the models"), ())
     b.add("/healthz", "get", "The frontend process is up", _json(_ref(t.Live), "up"), (), health=True)
     b.add("/readyz", "get", "Every model has a ready engine", _json(_ref(t.Ready), "ready"), (503,), health=True)
@@ -125,6 +135,14 @@ def openapi_document(
         b.add("/v1/embeddings", "post", f"OpenAI embeddings (models: {', '.join(embedding)})",
               _json(_ref(t.EmbeddingList), "one vector per input"), errors, t.OpenAIError,
               body=_ref(t.EmbeddingRequest))  # fmt: skip
+    if rerank:
+        for path in ("/v1/rerank", "/v2/rerank"):
+            b.add(path, "post", f"Rerank documents by relevance to a query (Cohere's and vLLM's shape; models: "
+                  f"{', '.join(rerank)})", _json(_ref(t.RerankResponse), "the documents, best first"), errors,
+                  t.OpenAIError, body=_ref(t.RerankRequest))  # fmt: skip
+        b.add("/v1/score", "post", f"Score text pairs (vLLM's shape; models: {', '.join(rerank)})",
+              _json(_ref(t.ScoreResponse), "one score per pair"), errors, t.OpenAIError,
+              body=_ref(t.ScoreRequest))  # fmt: skip
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "zserve", "version": "0.1.0", "description": "Models: " + ", ".join(models)},

@@ -52,7 +52,7 @@ def openai_error(resp: falcon.asgi.Response, http_status: int, code: str, messag
 
 
 # The routes that answer errors in OpenAI's shape (what OpenAI clients parse).
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score")
 
 
 def error_writer(path: str) -> Callable[..., None]:
@@ -105,14 +105,31 @@ def decode_json(raw: bytes) -> Any:
     raise RequestError(400, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels", "body")
 
 
-async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
-    """The request's JSON body, at most ``max_body_bytes`` (413 past it, 400 if it is not JSON)."""
+async def read_raw(req: falcon.asgi.Request, max_body_bytes: int) -> bytes:
+    """The request's body, at most ``max_body_bytes`` (413 past it)."""
     if req.content_length is not None and req.content_length > max_body_bytes:
         raise RequestError(413, "payload_too_large", f"body of {req.content_length} bytes is over {max_body_bytes}")
     raw = await req.stream.read(max_body_bytes + 1)
     if len(raw) > max_body_bytes:
         raise RequestError(413, "payload_too_large", f"body is over {max_body_bytes} bytes")
-    return decode_json(raw)
+    return raw
+
+
+async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
+    """The request's JSON body, at most ``max_body_bytes`` (413 past it, 400 if it is not JSON)."""
+    return decode_json(await read_raw(req, max_body_bytes))
+
+
+# Bodies the native route hands to decode_request as bytes, not JSON (an image file, say).
+RAW_CONTENT_TYPES = ("application/octet-stream", "image/")
+
+
+async def read_body(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
+    """The native route's body: bytes for a raw content type (RAW_CONTENT_TYPES), else ``read_json``'s."""
+    content_type = (req.content_type or "").lower()
+    if content_type.startswith(RAW_CONTENT_TYPES):
+        return await read_raw(req, max_body_bytes)
+    return await read_json(req, max_body_bytes)
 
 
 def decode_item(handler: Model, body: Any) -> Any:
@@ -178,7 +195,7 @@ class PredictResource:
     ) -> tuple[int, int]:
         """(HTTP status, batch size)."""
         try:
-            item = decode_item(handler, await read_json(req, self.max_body_bytes))
+            item = decode_item(handler, await read_body(req, self.max_body_bytes))
             answer = await self.client.infer(name, item, decoded=True)
         except Exception as exc:
             error = request_error(exc)

@@ -20,13 +20,14 @@ free_port = free_tcp_port
 
 
 class Deployment:
-    def __init__(self, config_path: Path, *args: str) -> None:
+    def __init__(self, config_path: Path | None, *args: str, command: tuple[str, ...] = ()) -> None:
+        """``zserve up -c config_path *args``, or ``zserve *command`` (e.g. ``("serve", folder)``)."""
         self.config_path = config_path
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.url = ""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zserve.cli", "up", "-c", str(config_path), *args],
+            [sys.executable, "-m", "zserve.cli", *(command or ("up", "-c", str(config_path))), *args],
             env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

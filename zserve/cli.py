@@ -18,11 +18,6 @@ def _load(path: str) -> Config | None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from zserve.devices import check_devices
-    from zserve.keys import check_broker_keys
-    from zserve.logs import setup_logging
-    from zserve.supervisor import Supervisor
-
     config = _load(args.config)
     if config is None:
         return 2
@@ -30,17 +25,58 @@ def _up(args: argparse.Namespace) -> int:
         config.frontends.port = args.port
     if args.host is not None:
         config.frontends.host = args.host
-    setup_logging("supervisor", args.log_level)
+    return _supervise(config, args.config, args.log_level)
+
+
+def _supervise(config: Config, config_path: str, log_level: str | None) -> int:
+    """Run ``config``'s deployment in the foreground until it is stopped (``zserve up`` and ``serve``)."""
+    from zserve.devices import check_devices
+    from zserve.keys import check_broker_keys
+    from zserve.logs import setup_logging
+    from zserve.supervisor import Supervisor
+
+    setup_logging("supervisor", log_level)
     try:
         check_devices(config.models)  # this host runs the engines: every cuda:N must be here
         b = config.broker
         if any(b.remote_endpoints()) and not b.insecure:
             check_broker_keys(b.curve_key, b.authorized_keys_dir)
-        supervisor = Supervisor(config, args.config)
+        supervisor = Supervisor(config, config_path)
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)
         return 2
     return supervisor.run()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from zserve.config import to_toml
+    from zserve.quickstart import parse_option, serve_config
+
+    try:
+        options = dict(parse_option(o) for o in args.option)
+        config = serve_config(
+            args.model, args.task, name=args.name, host=args.host, port=args.port, workers=args.workers,
+            engines=args.engines, threads=args.threads, max_batch_size=args.max_batch_size, options=options,
+        )  # fmt: skip
+        text = to_toml(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(f"# zserve serve {' '.join(sys.argv[2:])}\n# run it with: zserve up -c FILE\n{text}")
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="zserve-serve-"))
+    try:
+        path = workdir / "supervisor.toml"
+        path.write_text(text)
+        model = config.models[0]
+        print(f"zserve serve: {model.name} with {model.handler} (the deployment file: --print-config)", flush=True)
+        return _supervise(config, str(path), args.log_level)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -144,6 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None, help="override [frontends] port")
     up.add_argument("--log-level", default=None, help="DEBUG, INFO (default, or $ZSERVE_LOG_LEVEL), WARNING, ERROR")
     up.set_defaults(func=_up)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve one model folder without a config file (the task read from its config.json)",
+        description="Start a one-model deployment for MODEL (a folder saved with save_pretrained, or a hub name "
+        "where a hub is reachable) with the built-in handler of its task: embed (sentence embeddings), classify "
+        "(sequence classification), rerank (a cross-encoder: /v1/rerank, /v1/score), image-classify, generate "
+        "(a causal LM: /v1/completions, /v1/chat/completions). --print-config prints the equivalent "
+        "supervisor.toml for `zserve up -c`.",
+    )
+    serve.add_argument("model", help="a from_pretrained folder (or a hub name)")
+    serve.add_argument("--task", default=None, choices=["embed", "classify", "rerank", "image-classify", "generate"],
+                       help="default: read from the model's config.json")  # fmt: skip
+    serve.add_argument("--name", default=None, help="the model's name in routes (default: the folder's name)")
+    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--workers", type=int, default=2, help="frontend worker processes (default: %(default)s)")
+    serve.add_argument("--engines", type=int, default=1, help="engine processes (default: %(default)s)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: cores / engines)")
+    serve.add_argument("--max-batch-size", type=int, default=32, help="(default: %(default)s)")
+    serve.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a handler option ([models.options]), e.g. -o max_length=256; repeatable")  # fmt: skip
+    serve.add_argument("--print-config", action="store_true", help="print the supervisor.toml and exit")
+    serve.add_argument("--log-level", default=None)
+    serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check", help="validate a deployment file and print where its broker listens")
     check.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")

