@@ -1,4 +1,4 @@
-"""/openapi.json against a live deployment (an echo, an embedding and a generative model, API keys with
+"""/openapi.json against a live deployment (an echo, an embedding, a rerank and a generative model, API keys with
 `auth_health`): it validates as OpenAPI 3.1, covers every route, and a bounded schemathesis run finds
 no 5xx and no answer outside the documented status codes, content types and schemas."""
 
@@ -33,6 +33,14 @@ credits = 1
 preprocess_workers = 1
 
 [[models]]
+name = "rerank"
+handler = "zserve.models.rerank:CrossEncoderRerank"
+max_batch_cost = 4096
+preprocess_workers = 1
+[models.options]
+path = "{reranker}"
+
+[[models]]
 name = "tiny"
 handler = "zserve.models.causal_lm:CausalLM"
 [models.options]
@@ -45,12 +53,12 @@ max_new_tokens = 8
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, tiny_cross_encoder):
     tmp = tmp_path_factory.mktemp("openapi")
     lm_path = build_tiny_lm(tmp / "tinylm")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ZSERVE_API_KEYS", KEY)
-        d = Deployment(write_config(tmp, CONFIG.format(port=free_port(), lm_path=lm_path)))
+        d = Deployment(write_config(tmp, CONFIG.format(port=free_port(), lm_path=lm_path, reranker=tiny_cross_encoder)))
     yield d.wait_ready()  # the supervisor's /readyz polls pass with auth_health on
     assert d.stop() == 0, d.output
 
@@ -66,7 +74,8 @@ def test_the_document_is_openapi_3_1_and_covers_every_route(deployment):
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {
         "/v1/models/{name}/predict", "/v1/models", "/healthz", "/readyz", "/metrics", "/openapi.json",
-        "/v1/completions", "/v1/chat/completions", "/mii/{deployment}", "/v1/embeddings",
+        "/v1/completions", "/v1/chat/completions", "/mii/{deployment}", "/v1/embeddings", "/v1/rerank", "/v2/rerank",
+        "/v1/score",
     }  # fmt: skip
     schemas = doc["components"]["schemas"]
     assert {"Error", "OpenAIError", "EmbeddingRequest", "CompletionRequest", "GenerateResponse"} <= set(schemas)
@@ -75,7 +84,7 @@ def test_the_document_is_openapi_3_1_and_covers_every_route(deployment):
     assert completions["security"] == [{"bearer": []}]
     assert doc["paths"]["/healthz"]["get"]["security"] == [{"bearer": []}]  # auth_health = true
     predict = doc["paths"]["/v1/models/{name}/predict"]["post"]
-    assert predict["parameters"][0]["schema"]["enum"] == ["echo", "minilm", "tiny"]
+    assert predict["parameters"][0]["schema"]["enum"] == ["echo", "minilm", "rerank", "tiny"]
     assert deployment.request("GET", "/openapi.json", None, {})[0] == 401
     assert deployment.request("GET", "/healthz", None, {})[0] == 401
 
