@@ -64,9 +64,14 @@ def deployment(request, tmp_path_factory):
     d = Deployment(path).wait_ready()
     module = {"gunicorn": "gunicorn", "granian": "zserve.frontends.granian_main"}[request.param]
     servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
+    # Ready means one worker answers /readyz; the second may still be booting (it was, once, in CI).
+    deadline = time.monotonic() + 30
+    while len(servers) == 1 and len(servers[0].children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     if len(servers) != 1 or len(servers[0].children()) != 2:  # the server's master and its 2 workers
+        workers = servers[0].children() if len(servers) == 1 else []
         d.stop()
-        raise AssertionError(f"expected one {module} master with 2 workers: {servers}\n{d.output}")
+        raise AssertionError(f"expected one {module} master with 2 workers: {servers}, {workers}\n{d.output}")
     yield d
     everything = d.descendants()
     assert d.stop() == 0, d.output
