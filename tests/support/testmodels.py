@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from zserve import BadRequest, Model
+from zserve.models.causal_lm import CausalLM
 
 
 class SlowEcho(Model):
@@ -129,3 +130,27 @@ class CostedEcho(SlowEcho):
 
     def cost(self, item: Any) -> int:
         return int(item.get("cost", 1)) if isinstance(item, dict) else 1
+
+
+class HangingLM(CausalLM):
+    """The generative CausalLM whose engine step blocks forever once the file ``hang_file`` appears: the
+    first engine to step after that takes the file (unlink is atomic, so exactly one hangs) and stops
+    advancing while its heartbeat thread lives on, so only the broker's batch_timeout_s can tell."""
+
+    def __init__(self, hang_file: str = "", **options: Any) -> None:
+        super().__init__(**options)
+        self.options["hang_file"] = hang_file
+        self.hang_file = hang_file
+
+    def setup(self, device: str) -> None:
+        super().setup(device)
+        core, step = self.engine.core, self.engine.core.step
+
+        def step_or_hang() -> Any:
+            try:
+                os.unlink(self.hang_file)
+            except OSError:
+                return step()
+            threading.Event().wait()
+
+        core.step = step_or_hang
