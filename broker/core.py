@@ -15,7 +15,10 @@ in its engine at once.
 A worker that holds work but makes no progress (no result, no engine step) for its model's
 ``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
 dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, and the
-shell is asked to kill it (``take_kills``) so that its supervisor starts a fresh one.
+shell is asked to kill it (``take_kills``) so that its supervisor starts a fresh one. The items of the batch
+it was computing go again one per batch, as suspects: a worker that stalls on a suspect is hung after a few
+batch times (``SUSPECT_BATCHES``, at least ``SUSPECT_FLOOR_S``), so a request that hangs every engine is
+answered ENGINE_LOST after about ``batch_timeout_s`` plus that, and its batch-mates are answered as usual.
 
 Multi-item messages from workers are length-checked: items a worker did not account for (too few statuses,
 too few frames) are answered INTERNAL at once, never left to time out.
@@ -57,6 +60,11 @@ from zserve.protocol import (
     Submit,
     Submits,
 )
+
+# A worker computing a suspect (an item of a batch that hung, re-dispatched alone) is hung after this many of
+# its model's slowest batch times without progress, but never sooner than the floor.
+SUSPECT_BATCHES = 4
+SUSPECT_FLOOR_S = 0.5
 
 log = logging.getLogger("zserve.broker")
 
@@ -357,6 +365,8 @@ class BrokerCore:
                 elif request.attempts > self.max_redispatch:
                     self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
                 else:
+                    if item_id in alone:
+                        request.suspect = True
                     self.scheduler.requeue(request.model, item_id, request.arrived_s, request.cost, item_id in alone)
 
     # ---- workers: results ----
@@ -526,7 +536,7 @@ class BrokerCore:
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
-        for worker in self.pool.hung(now, {m: self.batch_timeout_s(m) for m in self.timeouts_s}):
+        for worker in self.pool.hung(now, self._hang_timeout_s):
             self._hang(worker, now)
         if now - self._last_heartbeat_s >= self.interval_s:
             self._last_heartbeat_s = now
@@ -541,6 +551,21 @@ class BrokerCore:
         if configured is not None:
             return configured
         return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
+
+    def _hang_timeout_s(self, worker: Worker, stalled_s: float) -> float:
+        """A worker's hang timeout: its model's ``batch_timeout_s``, or a shorter one while the batch it is
+        computing holds a suspect (an item of a batch that hung, sent alone): that batch is one item, so
+        ``SUSPECT_BATCHES`` of the slowest batch seen (at least ``SUSPECT_FLOOR_S``, against false alarms on a
+        noisy machine) is ample, and a poison request does not cost a second full ``batch_timeout_s``."""
+        timeout = self.batch_timeout_s(worker.models[0])
+        if stalled_s <= min(timeout, SUSPECT_FLOOR_S):
+            return timeout  # the common case, decided without looking at the batch
+        running = next(iter(worker.in_flight.values()))  # in dispatch order: the oldest is the one computing
+        get = self.requests.by_id.get
+        if any((r := get(i)) is not None and r.suspect for i in running.item_ids):
+            slowest = self.stats[worker.models[0]].slowest_batch_s
+            return min(timeout, max(SUSPECT_FLOOR_S, SUSPECT_BATCHES * slowest))
+        return timeout
 
     def _hang(self, worker: Worker, now: float) -> None:
         model = worker.models[0]

@@ -3,7 +3,7 @@ no clock of its own (``now`` is passed in, in seconds)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 ENGINE = "engine"
@@ -131,9 +131,10 @@ class WorkerPool:
         if worker is not None:
             worker.progress_s = now
 
-    def hung(self, now: float, timeout_s: dict[str, float]) -> list[Worker]:
-        """Workers that hold work but made no progress for their model's ``timeout_s``."""
-        return [w for w in self.workers.values() if w.in_flight and now - w.progress_s > timeout_s[w.models[0]]]
+    def hung(self, now: float, timeout_s: Callable[[Worker, float], float]) -> list[Worker]:
+        """Workers that hold work but made no progress for longer than ``timeout_s(worker, stalled_s)``."""
+        stalled = ((w, now - w.progress_s) for w in self.workers.values() if w.in_flight)
+        return [w for w, stalled_s in stalled if stalled_s > timeout_s(w, stalled_s)]
 
     def expire(self, now: float) -> list[tuple[Worker, list[InFlightBatch]]]:
         """Remove workers silent for longer than ``liveness_s``; return them with the batches they held."""

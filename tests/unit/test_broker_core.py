@@ -554,3 +554,46 @@ def test_the_batch_that_hung_goes_again_one_item_per_batch_and_only_the_hanging_
             done[r.req_id] = r.status
         now += 0.3
     assert done == {1: OK, 2: Status.ENGINE_LOST, 3: OK, 4: OK}
+
+
+def test_a_worker_stalled_on_a_suspect_is_hung_after_a_few_batch_times_not_a_whole_batch_timeout():
+    core = make()
+    core._batch_timeouts_s["m"] = 2.0
+    hello(core, b"w1:11", credits=1)
+    submit(core, b"a", [1, 2])
+    core.tick(0.0)
+    assert len(batches(core.flush()[1])) == 1
+    core.stats["m"].slowest_batch_s = 0.3  # as if measured: a suspect may take 4 x 0.3 s
+    hello(core, b"w2:12", credits=1, now=2.0)
+    core.on_out(Heartbeat("w1:11"), [], now=2.1)
+    core.tick(2.1)
+    assert core.take_kills() == [(1, "w1:11")]
+    [alone] = batches(core.flush()[1])
+    assert alone.worker_id == b"w2:12" and [core.requests.get(i).req_id for i in alone.header.item_ids] == [1]
+
+    def beat(now: float) -> list[tuple[int, str]]:
+        for worker in list(core.pool.workers):
+            core.on_out(Heartbeat(worker.decode()), [], now=now)
+        core.tick(now)
+        return core.take_kills()
+
+    assert beat(2.8) == [] and beat(3.25) == []  # 1.15 s on the suspect: not yet
+    assert beat(3.35) == [(1, "w2:12")]  # past 4 x 0.3 s, long before batch_timeout_s
+    [(r, _)] = replies(core.flush()[0], b"a")
+    assert r.req_id == 1 and r.status == Status.ENGINE_LOST  # its second attempt
+    hello(core, b"w3:13", credits=1, now=3.4)
+    core.tick(3.4)
+    [alone] = batches(core.flush()[1])  # the innocent batch-mate, alone, answered as usual
+    core.on_out(*result(alone.header, b"w3:13"), now=3.5)
+    [(r, _)] = replies(core.flush()[0], b"a")
+    assert r.req_id == 2 and r.status == OK
+    submit(core, b"a", [3], now=3.5)
+    core.tick(3.5)
+    assert len(batches(core.flush()[1])) == 1  # no suspect in it: the whole batch_timeout_s applies
+    assert beat(5.0) == [] and beat(5.6) == [(1, "w3:13")]
+    core.stats["m"].slowest_batch_s = 0.0  # nothing measured: SUSPECT_FLOOR_S (0.5 s) for the suspect
+    hello(core, b"w4:14", credits=1, now=5.6)
+    core.tick(5.6)
+    [alone] = batches(core.flush()[1])
+    assert [core.requests.get(i).req_id for i in alone.header.item_ids] == [3]
+    assert beat(6.05) == [] and beat(6.15) == [(1, "w4:14")]
