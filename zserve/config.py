@@ -120,7 +120,9 @@ class ModelConfig(_Section, kw_only=True):
     # of timeout_ms and 10x the slowest recent batch of the model (see README).
     batch_timeout_s: PositiveFloat | None = None
     threads: PositiveInt = 1  # torch intra-op threads per engine
-    devices: list[str] = []  # "cuda:N" or "cpu"; engine i gets devices[i % len]; [] = "cpu"
+    # "cuda:N", "cuda:N,M,..." (one engine on several devices: a tensor parallel group) or "cpu"; engine i gets
+    # devices[i % len]; [] = "cpu"
+    devices: list[str] = []
     engines_per_device: PositiveInt | None = None  # set: engines = len(devices) x this, each device alike
     options: dict[str, Any] = {}  # passed to the handler's constructor
     preprocess_workers: Annotated[int, Meta(ge=1)] | None = None  # None = see preprocess_workers_for
@@ -130,9 +132,11 @@ class ModelConfig(_Section, kw_only=True):
             raise ValueError(f"name {self.name!r} must match {_MODEL_NAME.pattern}")
         if not _HANDLER.match(self.handler):
             raise ValueError(f"handler {self.handler!r} must look like 'package.module:Class'")
-        bad = [d for d in self.devices if d != "cpu" and not re.match(r"^cuda:\d+$", d)]
+        bad = [d for d in self.devices if d != "cpu" and not re.match(r"^cuda:\d+(,\d+)*$", d)]
         if bad:
-            raise ValueError(f"devices {bad} must each be 'cuda:N' or 'cpu'")
+            raise ValueError(
+                f"devices {bad} must each be 'cuda:N' or 'cpu', or 'cuda:N,M,...' for an engine on several devices"
+            )
         if self.engines_per_device is not None:
             if not self.devices:
                 raise ValueError("engines_per_device needs devices = [...]")

@@ -34,13 +34,14 @@ def gpu_count() -> int:
 
 
 def check_devices(models: Iterable[ModelConfig], count: int | None = None) -> None:
-    """Every cuda:N a model names exists on this host; a CPU-only host accepts only ``devices = []``."""
+    """Every cuda:N a model names (also inside cuda:N,M) exists on this host; a CPU-only host accepts only
+    ``devices = []``."""
     needed = {m.name: [d for d in m.devices if d.startswith("cuda:")] for m in models}
     if not any(needed.values()):
         return
     count = gpu_count() if count is None else count
     for name, devices in needed.items():
-        missing = [d for d in devices if int(d.split(":", 1)[1]) >= count]
+        missing = [d for d in devices if max(int(i) for i in d.split(":", 1)[1].split(",")) >= count]
         if missing:
             have = f"{count} CUDA device(s)" if count else "no CUDA device (CPU only)"
             raise ConfigError(

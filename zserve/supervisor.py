@@ -160,7 +160,7 @@ class Supervisor:
     def engine_child(self, model: ModelConfig, index: int) -> Child:
         env = {"OMP_NUM_THREADS": str(model.threads)}  # torch's intra-op threads (the engine sets the rest)
         device = model.device_for(index)
-        if device.startswith("cuda:"):
+        if device.startswith("cuda:"):  # "cuda:2" or, for a tensor parallel group, "cuda:2,3" (rank r: cuda:r)
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
             device = "cuda:0"
         name = f"engine-{model.name}-{index}"

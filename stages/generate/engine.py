@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -27,6 +27,9 @@ from zserve.generation import GenerateRequest, GenerateResponse
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore
 from zserve.stages.generate.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from zserve.stages.generate.tensor_parallel import TensorParallelGroup
 
 _CPU_KV_CACHE_BYTES = 1 << 30
 _GPU_MEMORY_FRACTION = 0.9
@@ -53,19 +56,30 @@ class EngineOptions:
     chunked_prefill: bool = True
     prefix_caching: bool = True
     max_new_tokens: int = 64  # the default per request
+    tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
 
 
 class GenerativeEngine:
-    def __init__(self, model: Any, tokenizer: Any, options: EngineOptions = EngineOptions()) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        options: EngineOptions = EngineOptions(),
+        tensor_parallel: TensorParallelGroup | None = None,
+    ) -> None:
+        """``tensor_parallel``: ``model`` is rank 0's shard of that group (``load`` builds both)."""
         self.tokenizer = tokenizer
         self.options = options
         self.max_running = options.max_running
         self.max_new_tokens = options.max_new_tokens
-        num_blocks = options.num_blocks or pool_blocks(model, options.kv_cache_bytes, options.block_size)
+        self.tensor_parallel = tensor_parallel
+        tp = tensor_parallel.size if tensor_parallel else 1
+        num_blocks = options.num_blocks or pool_blocks(model, options.kv_cache_bytes, options.block_size, tp)
         self.core = EngineCore(
             model, num_blocks=num_blocks, block_size=options.block_size,
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
             chunked_prefill=options.chunked_prefill, prefix_caching=options.prefix_caching,
+            tensor_parallel=tensor_parallel,
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 
@@ -74,8 +88,9 @@ class GenerativeEngine:
         cls, path: str, *, device: str = "cpu", dtype: str = "float32", gguf_file: str = "", options: EngineOptions
     ) -> GenerativeEngine:
         """From a local folder, a hub name or ``package:NAME``; a GGUF file is converted once into a cache
-        (transformers' GGUF loader takes ~45 s; the cache loads in about a second)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        (transformers' GGUF loader takes ~45 s; the cache loads in about a second). With
+        ``options.tensor_parallel`` N > 1 this process becomes rank 0 of a group of N (``tensor_parallel.py``)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from zserve.gguf_cache import converted_path, resolve_model_path
 
@@ -83,8 +98,28 @@ class GenerativeEngine:
         if gguf_file:
             path = str(converted_path(path, gguf_file, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
-        return cls(model, tokenizer, options)
+        if options.tensor_parallel == 1:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+            return cls(model, tokenizer, options)
+        from zserve.stages.generate.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
+
+        check_divisible(AutoConfig.from_pretrained(path), options.tensor_parallel)
+        if device.startswith("cuda") and torch.cuda.device_count() < options.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel {options.tensor_parallel} needs as many CUDA devices, this engine sees "
+                f'{torch.cuda.device_count()}: give it devices = ["cuda:0,1,..."] (rank r runs on cuda:r)'
+            )
+        group = TensorParallelGroup.start(options.tensor_parallel, path, dtype=dtype, device=device)
+        try:
+            return cls(load_sharded(group.spec), tokenizer, options, group)
+        except BaseException:
+            group.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor parallel group's other ranks (nothing to do for a single process)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def warmup(self) -> None:
         self.generate([GenerateRequest(prompt="warm up", max_new_tokens=2, ignore_eos=True)])
@@ -167,12 +202,13 @@ class GenerativeEngine:
         ]
 
 
-def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int) -> int:
-    """KV blocks in ``kv_cache_bytes`` (0: 1 GiB on a CPU, 90% of the free device memory on a GPU)."""
+def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int, tensor_parallel: int = 1) -> int:
+    """KV blocks in ``kv_cache_bytes`` per rank (0: 1 GiB on a CPU, 90% of the free device memory on a GPU);
+    under tensor parallelism a rank holds 1/N of each block's heads."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    per_block = 2 * c.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * block_size
+    per_block = 2 * c.num_hidden_layers * (kv_heads // tensor_parallel) * head_dim * model.dtype.itemsize * block_size
     budget = int(kv_cache_bytes)
     if not budget:
         if model.device.type == "cuda":

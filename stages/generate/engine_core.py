@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
@@ -21,6 +22,9 @@ from zserve.stages.generate.block_manager import BlockManager
 from zserve.stages.generate.sampler import Sampler
 from zserve.stages.generate.scheduler import Chunk, StepScheduler
 from zserve.stages.generate.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:
+    from zserve.stages.generate.tensor_parallel import TensorParallelGroup
 
 _names = itertools.count()
 
@@ -60,28 +64,26 @@ class EngineCore:
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         batched_decode: bool | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
-        call per sequence is faster)."""
+        call per sequence is faster). ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
+        is broadcast to the other ranks before it runs."""
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = model.eval()
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.cache = PagedKVCache(
-            config.num_hidden_layers, num_blocks * block_size, _kv_heads(config), head_dim, model.dtype, model.device
-        )
         self.device = model.device
         self.batched_decode = self.device.type != "cpu" if batched_decode is None else batched_decode
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.init_cache(num_blocks, block_size, self.batched_decode)
+        self.cache = paged_cache_for(model, num_blocks, block_size, tensor_parallel.size if tensor_parallel else 1)
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
         )
         self.sampler = Sampler(self.eos_ids, config.vocab_size)
-        name = f"zserve_paged_{next(_names)}"
-        AttentionInterface.register(name, self.cache.attention)
-        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
-        model.set_attn_implementation(name)
         self.sequences: dict[int, Sequence] = {}
         self._stats = EngineStats()
         self._block_slots = torch.arange(block_size)  # slot offsets inside a block
@@ -168,14 +170,10 @@ class EngineCore:
         # decodes first (the layout paged kernels take); order within each group is kept
         chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
         ids, positions, meta, sample_rows = self._meta(chunks)
-        device = self.device
-        logits = self.model(
-            input_ids=ids.to(device),
-            position_ids=positions.to(device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            zserve_meta=meta.for_torch(device, self.batched_decode),
-        ).logits[0]
+        if self.tensor_parallel is not None:
+            logits = self.tensor_parallel.forward(self.model, ids, positions, meta, sample_rows, self.batched_decode)
+        else:
+            logits = forward(self.model, ids, positions, meta, sample_rows, batched_decode=self.batched_decode)
         stats = self._stats
         stats.steps += 1
         stats.batch_tokens = ids.shape[1]
@@ -199,6 +197,34 @@ class EngineCore:
                 del self.sequences[seq.seq_id]
             outputs.append(TokenOutput(seq.seq_id, token, reason))
         return outputs
+
+
+def paged_cache_for(model, num_blocks: int, block_size: int, tensor_parallel: int = 1) -> PagedKVCache:
+    """A paged KV cache for ``model`` (its share of the key/value heads, under tensor parallelism), plugged
+    into the model's attention layers."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = PagedKVCache(
+        config.num_hidden_layers, num_blocks * block_size, _kv_heads(config) // tensor_parallel, head_dim,
+        model.dtype, model.device,
+    )  # fmt: skip
+    name = f"zserve_paged_{next(_names)}"
+    AttentionInterface.register(name, cache.attention)
+    AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
+    model.set_attn_implementation(name)
+    return cache
+
+
+def forward(model, ids, positions, meta: StepMeta, sample_rows: list[int], *, batched_decode: bool) -> torch.Tensor:
+    """One step's forward pass over the packed row: the logits of the ``sample_rows``."""
+    device = model.device
+    return model(
+        input_ids=ids.to(device),
+        position_ids=positions.to(device),
+        use_cache=False,
+        logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        zserve_meta=meta.for_torch(device, batched_decode),
+    ).logits[0]
 
 
 def _as_list(value) -> list[int]:

@@ -144,6 +144,8 @@ class GenerationRunner:
         output.join(timeout=5)
         if not output.is_alive():
             self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
+        if not step.is_alive():
+            self.engine.close()  # a tensor parallel group's other ranks stop with it
 
     # ---- the step thread ----
 

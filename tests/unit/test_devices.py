@@ -34,12 +34,16 @@ def test_engines_per_device_gives_each_device_its_engines_through_cuda_visible_d
     assert stage.extra_env["CUDA_VISIBLE_DEVICES"] == ""
     cpu = parse_config(GPU_MODEL.replace('"cuda:0", "cuda:1"', '"cpu"')).models[0]
     assert "CUDA_VISIBLE_DEVICES" not in sup.engine_child(cpu, 0).extra_env
+    pairs = parse_config(GPU_MODEL.replace('"cuda:0", "cuda:1"', '"cuda:0,1", "cuda:2,3"')).models[0]
+    group = sup.engine_child(pairs, 1)  # a tensor parallel engine: its group's ranks see both, as cuda:0 and 1
+    assert group.extra_env["CUDA_VISIBLE_DEVICES"] == "2,3" and group.argv[group.argv.index("--device") + 1] == "cuda:0"
 
 
 @pytest.mark.parametrize(
     ("hunk", "expected"),
     [
         ('devices = ["gpu0"]', "must each be 'cuda:N' or 'cpu'"),
+        ('devices = ["cuda:0,"]', "or 'cuda:N,M,...' for an engine on several devices"),
         ("engines_per_device = 2", "engines_per_device needs devices"),
         ('devices = ["cuda:0"]\nengines_per_device = 2\nengines = 3', "contradicts"),
     ],
@@ -58,6 +62,10 @@ def test_a_host_without_the_devices_rejects_the_config_unless_devices_is_empty(m
     check_devices(models, count=2)
     cpu_only = parse_config('[[models]]\nname = "m"\nhandler = "zserve.models.echo:Echo"\ndevices = ["cpu"]\n')
     check_devices(cpu_only.models, count=0)
+    pairs = parse_config(GPU_MODEL.replace('"cuda:0", "cuda:1"', '"cuda:0,1", "cuda:2,3"')).models
+    with pytest.raises(ConfigError, match=r"cuda:2,3 not on this host, which has 3 CUDA device"):
+        check_devices(pairs, count=3)
+    check_devices(pairs, count=4)
     monkeypatch.setenv("ZSERVE_GPU_COUNT", "3")
     assert gpu_count() == 3
 

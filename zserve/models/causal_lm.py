@@ -41,14 +41,18 @@ class CausalLM(Model):
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         max_new_tokens: int = 64,
+        tensor_parallel: int = 1,
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
+            tensor_parallel=tensor_parallel,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be an integer of 1 or more, not {tensor_parallel!r}")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r} must be one of float32, bfloat16, float16")
         self.path = path
@@ -66,7 +70,7 @@ class CausalLM(Model):
             kv_cache_bytes=int(o["kv_cache_bytes"]), num_blocks=int(o["num_blocks"]), block_size=int(o["block_size"]),
             max_batched_tokens=int(o["max_batched_tokens"]), max_running=int(o["max_running"]),
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
-            max_new_tokens=int(o["max_new_tokens"]),
+            max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
         )  # fmt: skip
         self.engine = GenerativeEngine.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
