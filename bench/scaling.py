@@ -67,6 +67,15 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def host_busy_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (``/proc/stat``), to tell a saturated host."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
 def closed_loop(client: Any, window: int, duration_s: float) -> tuple[int, float]:
     """(answers, seconds) with ``window`` requests always in flight; a finished one is replaced at once."""
     done = [0]
@@ -121,9 +130,15 @@ def measure(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.05)
             window = engines * args.max_batch * 2 * 2  # every credit holds a full batch, and as many queue
             closed_loop(client, window, args.warmup_s)
-            broker_before, wall_before = cpu_s(procs[0].pid), time.monotonic()
+            pids = [p.pid for p in procs]
+            before, wall_before, host_before = [cpu_s(pid) for pid in pids], time.monotonic(), host_busy_s()
+            client_before = cpu_s(os.getpid())
             answers, seconds = closed_loop(client, window, args.duration_s)
-            broker_cores = (cpu_s(procs[0].pid) - broker_before) / (time.monotonic() - wall_before)
+            wall = time.monotonic() - wall_before
+            cores = [(cpu_s(pid) - b) / wall for pid, b in zip(pids, before, strict=True)]
+            client_cores = (cpu_s(os.getpid()) - client_before) / wall
+            host_after = host_busy_s()
+            host_busy = (host_after[0] - host_before[0]) / (host_after[1] - host_before[1])
     finally:
         for proc in procs:
             proc.terminate()
@@ -138,8 +153,11 @@ def measure(engines: int, args: argparse.Namespace) -> dict[str, Any]:
         "engines": engines,
         "rps": answers / seconds,
         "device_limit_rps": engines * args.max_batch / batch_s,  # every engine always busy on full batches
-        "broker_cores": broker_cores,
-        "broker_us_per_request": broker_cores * 1e6 / (answers / seconds),
+        "broker_cores": cores[0],
+        "broker_us_per_request": cores[0] * 1e6 / (answers / seconds),
+        "engine_cores": sum(cores[1:]),  # all engine processes together
+        "client_cores": client_cores,  # this process: the direct client and its IO thread
+        "host_busy": host_busy,  # share of all the machine's cores busy during the run
     }
 
 
@@ -157,13 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(int(n), args) for n in args.engines.split(",")]
     one = rows[0]["rps"] / rows[0]["engines"]
     columns = [("ENGINES", 7), ("REQ/S", 9), ("LINEAR", 9), ("VS_LINEAR", 9), ("DEVICE_LIMIT", 12)]
-    print(" ".join(f"{name:>{width}}" for name, width in columns), f"{'BROKER_CORES':>12} {'BROKER_US/REQ':>13}")
+    print(
+        " ".join(f"{name:>{width}}" for name, width in columns),
+        f"{'BROKER_CORES':>12} {'BROKER_US/REQ':>13} {'ENGINE_CORES':>12} {'CLIENT_CORES':>12} {'HOST_BUSY':>9}",
+    )
     for row in rows:
         row["linear_rps"] = one * row["engines"]
         row["vs_linear"] = row["rps"] / row["linear_rps"]
         print(
             f"{row['engines']:>7} {row['rps']:>9.0f} {row['linear_rps']:>9.0f} {row['vs_linear']:>9.3f} "
-            f"{row['device_limit_rps']:>12.0f} {row['broker_cores']:>12.3f} {row['broker_us_per_request']:>13.1f}"
+            f"{row['device_limit_rps']:>12.0f} {row['broker_cores']:>12.3f} {row['broker_us_per_request']:>13.1f} "
+            f"{row['engine_cores']:>12.2f} {row['client_cores']:>12.2f} {row['host_busy']:>9.2f}"
         )
     out = args.out or BENCH / "results" / f"scaling-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
