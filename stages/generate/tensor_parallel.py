@@ -68,6 +68,9 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+_ENV = ("GLOO_SOCKET_IFNAME", "RANK", "LOCAL_RANK", "WORLD_SIZE")  # what joining sets (transformers reads them)
+
+
 def _join(rank: int, spec: GroupSpec) -> Any:
     """Join the process group; returns the group the step broadcasts travel on (always gloo: CPU tensors)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
@@ -97,6 +100,7 @@ class TensorParallelGroup:
         self._control = control
         self._store_dir = store_dir
         self._closing = False
+        self._saved_env: dict[str, str | None] = {}
         for proc in followers:
             threading.Thread(target=self._watch, args=(proc,), name="tp-watch", daemon=True).start()
         atexit.register(self.close)
@@ -104,6 +108,7 @@ class TensorParallelGroup:
     @classmethod
     def start(cls, size: int, path: str, *, dtype: str, device: str) -> TensorParallelGroup:
         """Start ranks 1..size-1 and join the group as rank 0. The model path must be local (resolved)."""
+        saved_env = {name: os.environ.get(name) for name in _ENV}
         store_dir = tempfile.mkdtemp(prefix="zserve-tp-")
         spec = GroupSpec(size, os.path.join(store_dir, "rendezvous"), path, dtype, device)
         followers = []
@@ -117,9 +122,12 @@ class TensorParallelGroup:
             for proc in followers:
                 proc.kill()
             shutil.rmtree(store_dir, ignore_errors=True)
+            _restore(saved_env)
             raise
         log.info("tensor parallel group of %d ready (followers: pids %s)", size, [p.pid for p in followers])
-        return cls(spec, followers, control, store_dir)
+        group = cls(spec, followers, control, store_dir)
+        group._saved_env = saved_env
+        return group
 
     def _watch(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -173,6 +181,15 @@ class TensorParallelGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._store_dir, ignore_errors=True)
+        _restore(self._saved_env)  # this process may load other models, alone
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def receive_step(control: Any, block_size: int) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int]] | None:

@@ -4,6 +4,7 @@ staggered arrivals, chunked prefill and a KV pool small enough to preempt."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 
@@ -51,6 +52,7 @@ def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path
         preempted = engine.core.scheduler.preemptions
     finally:
         engine.close()
+    assert "WORLD_SIZE" not in os.environ  # the process is alone again
     single = run_staggered(GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=1)), batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
     with torch.inference_mode():
