@@ -177,7 +177,8 @@ class Broker:
         except OSError:
             argv = []
         if name.rsplit(":", 1)[0].encode() not in argv:
-            log.error("hung worker %s (pid %d) is not a process of this host: restart it where it runs", name, pid)
+            log.warning("hung worker %s (pid %d) is not a process of this host: it was told to exit (Replace), its "
+                        "host's supervisor restarts it", name, pid)  # fmt: skip
             return
         log.warning("killing hung worker %s (pid %d)", name, pid)
         try:

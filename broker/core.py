@@ -14,8 +14,9 @@ in its engine at once.
 
 A worker that holds work but makes no progress (no result, no engine step) for its model's
 ``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
-dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, and the
-shell is asked to kill it (``take_kills``) so that its supervisor starts a fresh one. The items of the batch
+dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, it is told
+to exit (``Replace``: its IO thread lives on) and the shell is asked to kill it as well (``take_kills``, for
+a worker whose IO thread is stuck too), so that its supervisor starts a fresh one. The items of the batch
 it was computing go again one per batch, as suspects: a worker that stalls on a suspect is hung after a few
 batch times (``SUSPECT_BATCHES``, at least ``SUSPECT_FLOOR_S``), so a request that hangs every engine is
 answered ENGINE_LOST after about ``batch_timeout_s`` plus that, and its batch-mates are answered as usual.
@@ -51,6 +52,7 @@ from zserve.protocol import (
     InvalidItem,
     ModelHealth,
     Msg,
+    Replace,
     Replies,
     Reply,
     Reset,
@@ -580,6 +582,9 @@ class BrokerCore:
         if len(self._hung) > 1024:
             del self._hung[next(iter(self._hung))]
         self._kills.append((worker.pid, worker.name))
+        # A worker's IO thread outlives a hung predict: told to exit, it is restarted by its own supervisor,
+        # on whatever host it runs (the shell's SIGKILL only reaches this host's processes).
+        self._to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
         batches = self.pool.remove(worker.worker_id)
         # The oldest batch is the one that hung (a worker computes its batches in order): its items go
         # again one per batch, so that an item that hangs takes none of its batch-mates with it.

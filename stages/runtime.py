@@ -28,10 +28,12 @@ from zserve.frames import pack, received
 from zserve.keys import CurveKeys
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
-from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Reset, Shutdown
+from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Replace, Reset, Shutdown
 from zserve.transport import die_with_parent, make_socket, use_curve_for_tcp
 
 log = logging.getLogger("zserve.worker")
+
+EXIT_REPLACED = 3  # the broker found this worker hung and asked it to exit (Replace)
 
 # A handler answers a Batch with its result, or with None when the answer goes out later on a socket of its
 # own (the generative engine streams one StepOutput per step).
@@ -196,6 +198,12 @@ class WorkerLink:
                 elif isinstance(msg, Shutdown):
                     log.info("%s: broker asked to shut down (%s)", self.worker_id, msg.reason)
                     break
+                elif isinstance(msg, Replace):
+                    # the thread that hangs cannot be stopped from here, and the process must not linger
+                    log.error("%s: the broker found this worker hung (%s): exiting to be restarted",
+                              self.worker_id, msg.reason)  # fmt: skip
+                    logging.shutdown()
+                    os._exit(EXIT_REPLACED)
         finally:
             self.stop.set()
             beater.join(timeout=2 * self.interval_s + 1)

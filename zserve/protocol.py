@@ -217,6 +217,13 @@ class Abort(Msg, tag=26):
     batch_ids: list[int]
 
 
+class Replace(Msg, tag=28):
+    """Broker -> worker: you were found hung (work held, no progress past batch_timeout_s). Exit now, so that
+    your supervisor (on whatever host) starts a fresh process; the broker has re-dispatched your batches."""
+
+    reason: str = ""
+
+
 class StepOutput(Msg, tag=27):
     """Generative engine -> broker: one message per engine step, for every sequence with news. A sequence
     is a batch of one (``batch_ids``); an entry with ``finished`` is its last, and carries the whole
@@ -260,6 +267,7 @@ Message = (
     | Shutdown
     | Abort
     | StepOutput
+    | Replace
 )
 
 

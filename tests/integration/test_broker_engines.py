@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -13,6 +16,7 @@ import zmq
 
 import zserve
 from zserve.protocol import Codec, HealthQuery
+from zserve.stages.runtime import EXIT_REPLACED
 
 SLOW = """
 [broker]
@@ -254,8 +258,29 @@ def test_a_hung_engine_is_found_killed_and_its_batch_redispatched_once(cluster_f
     while time.monotonic() < deadline and sum(e.poll() is not None for e in engines) < 2:
         time.sleep(0.05)
     killed = [e for e in engines if e.poll() is not None]
-    assert len(killed) == 2 and all(e.returncode == -signal.SIGKILL for e in killed)
+    # told to exit (Replace) and SIGKILLed by the broker's host at once: whichever came first
+    assert len(killed) == 2 and all(e.returncode in (-signal.SIGKILL, EXIT_REPLACED) for e in killed)
     report = client.health()
     [m] = report.models
     assert m.workers_hung == 2 and m.ready_workers == 1
     assert "is hung: no progress" in c.log("broker")
+
+
+def test_a_hung_worker_the_broker_cannot_kill_exits_when_told_to(cluster_factory):
+    """A worker in its own PID namespace stands for one on another host: the pid it registers with is not a
+    process the broker's host can signal, so only the Replace message can make it exit (and its own
+    supervisor restart it)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("unshare --pid is not available here (needs CAP_SYS_ADMIN)")
+    c = cluster_factory(HANGS.replace("engines = 3", "engines = 1"))
+    c.start_broker()
+    child = c.sup.engine_child(c.config.model("hangs"), 0)
+    engine = c._spawn(dataclasses.replace(child, argv=["unshare", "--pid", "--fork", "--kill-child", *child.argv]))
+    c.wait_ready({"hangs": 1})
+    client = c.client()
+    hung = client.submit("hangs", "hang", timeout_ms=4000)
+    assert engine.wait(timeout=20) == EXIT_REPLACED  # unshare exits with its child's status
+    assert "is not a process of this host: it was told to exit (Replace)" in c.log("broker")
+    assert "found this worker hung" in c.log("engine-hangs-0")
+    with pytest.raises(zserve.DeadlineExceeded):  # queued again as a suspect, and no engine left to take it
+        hung.result(timeout=30)

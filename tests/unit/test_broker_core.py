@@ -17,6 +17,7 @@ from zserve.protocol import (
     Heartbeat,
     Hello,
     InvalidItem,
+    Replace,
     Replies,
     Reply,
     Reset,
@@ -472,6 +473,8 @@ def test_a_worker_without_progress_past_batch_timeout_is_hung_killed_and_ignored
     _, work = core.flush()
     [again] = batches(work)
     assert again.worker_id == b"w2:12" and again.header.item_ids == b.header.item_ids
+    [told] = [w for w in work if isinstance(w.header, Replace)]  # for a worker on a host the shell cannot kill
+    assert told.worker_id == b"w1:11" and "no progress for 2.1s" in told.header.reason
     core.on_out(Heartbeat("w1:11"), [], now=2.2)  # no Reset: it must not register again
     core.on_work(b"w1:11", Hello("w1:11", 1, "engine", ["m"], 2), 2.2)
     core.tick(2.2)
