@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import openai
+import psutil
 import pytest
 from deployment import Deployment, free_port, write_config
 
@@ -153,7 +154,14 @@ def test_health_routes_are_open_by_default(deployment):
 
 
 def _gunicorn_workers(d: Deployment) -> list[int]:
-    [master] = [p for p in d.descendants() if p.ppid() == d.proc.pid and p.cmdline()[1:3] == ["-m", "gunicorn"]]
+    masters = []
+    for p in d.descendants():
+        try:  # during a reload, processes come and go between listing and asking
+            if p.ppid() == d.proc.pid and p.cmdline()[1:3] == ["-m", "gunicorn"]:
+                masters.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    [master] = masters
     return [p.pid for p in master.children()]
 
 
