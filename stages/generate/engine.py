@@ -25,7 +25,7 @@ import torch
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse
 from zserve.stages.generate.detokenize import TextStream
-from zserve.stages.generate.engine_core import EngineCore
+from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
 from zserve.stages.generate.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -206,9 +206,8 @@ def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int, tensor_paralle
     """KV blocks in ``kv_cache_bytes`` per rank (0: 1 GiB on a CPU, 90% of the free device memory on a GPU);
     under tensor parallelism a rank holds 1/N of each block's heads."""
     c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    per_block = 2 * c.num_hidden_layers * (kv_heads // tensor_parallel) * head_dim * model.dtype.itemsize * block_size
+    per_block = 2 * c.num_hidden_layers * (kv_heads(c) // tensor_parallel) * head_dim(c) * model.dtype.itemsize
+    per_block *= block_size
     budget = int(kv_cache_bytes)
     if not budget:
         if model.device.type == "cuda":

@@ -203,9 +203,8 @@ def paged_cache_for(model, num_blocks: int, block_size: int, tensor_parallel: in
     """A paged KV cache for ``model`` (its share of the key/value heads, under tensor parallelism), plugged
     into the model's attention layers."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = PagedKVCache(
-        config.num_hidden_layers, num_blocks * block_size, _kv_heads(config) // tensor_parallel, head_dim,
+        config.num_hidden_layers, num_blocks * block_size, kv_heads(config) // tensor_parallel, head_dim(config),
         model.dtype, model.device,
     )  # fmt: skip
     name = f"zserve_paged_{next(_names)}"
@@ -233,6 +232,10 @@ def _as_list(value) -> list[int]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _kv_heads(config) -> int:
-    # GPT-2-style configs have no grouped-query attention field
+def kv_heads(config) -> int:
+    """The model's key/value heads (GPT-2-style configs have no grouped-query attention field)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

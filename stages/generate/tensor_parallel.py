@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zserve.stages.generate.attention import StepMeta
+from zserve.stages.generate.engine_core import forward, kv_heads, paged_cache_for
 
 log = logging.getLogger("zserve.tensor_parallel")
 
@@ -42,13 +43,12 @@ _HEADER = 6  # op, tokens, sequences, decodes, KV slots, sampled rows
 
 def check_divisible(config: Any, size: int) -> None:
     """Heads are what is split: ``size`` must divide the model's attention heads and key/value heads."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv = config.num_attention_heads, kv_heads(config)
     if size < 1:
         raise ValueError(f"tensor_parallel must be 1 or more, not {size}")
-    if heads % size or kv_heads % size:
+    if heads % size or kv % size:
         raise ValueError(
-            f"tensor_parallel {size} must divide the model's {heads} attention heads and {kv_heads} key/value "
+            f"tensor_parallel {size} must divide the model's {heads} attention heads and {kv} key/value "
             "heads (they are what is split across ranks)"
         )
 
@@ -93,14 +93,17 @@ def load_sharded(spec: GroupSpec) -> Any:
 class TensorParallelGroup:
     """Rank 0's side: the followers it started and the broadcasts that drive them."""
 
-    def __init__(self, spec: GroupSpec, followers: list[subprocess.Popen], control: Any, store_dir: str) -> None:
+    def __init__(
+        self, spec: GroupSpec, followers: list[subprocess.Popen], control: Any, store_dir: str,
+        saved_env: dict[str, str | None],
+    ) -> None:  # fmt: skip
         self.spec = spec
         self.size = spec.size
         self._followers = followers
         self._control = control
         self._store_dir = store_dir
         self._closing = False
-        self._saved_env: dict[str, str | None] = {}
+        self._saved_env = saved_env  # what joining the group changed in os.environ, put back at close
         for proc in followers:
             threading.Thread(target=self._watch, args=(proc,), name="tp-watch", daemon=True).start()
         atexit.register(self.close)
@@ -125,9 +128,7 @@ class TensorParallelGroup:
             _restore(saved_env)
             raise
         log.info("tensor parallel group of %d ready (followers: pids %s)", size, [p.pid for p in followers])
-        group = cls(spec, followers, control, store_dir)
-        group._saved_env = saved_env
-        return group
+        return cls(spec, followers, control, store_dir, saved_env)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -146,8 +147,6 @@ class TensorParallelGroup:
     ) -> torch.Tensor:  # fmt: skip
         """One step on every rank; rank 0's logits. Any failure here leaves the ranks out of step (a follower
         may wait in a collective forever), so it ends the process: the supervisor restarts the group."""
-        from zserve.stages.generate.engine_core import forward
-
         try:
             self._send_step(ids, positions, meta, sample_rows)
             return forward(model, ids, positions, meta, sample_rows, batched_decode=batched_decode)
@@ -213,8 +212,6 @@ def receive_step(control: Any, block_size: int) -> tuple[torch.Tensor, torch.Ten
 
 def follow(rank: int, spec: GroupSpec) -> None:
     """A follower's life: join, load its shard, size its KV cache as rank 0 says, then mirror every step."""
-    from zserve.stages.generate.engine_core import forward, paged_cache_for
-
     control = _join(rank, spec)
     model = load_sharded(spec)
     sizes = torch.empty(3, dtype=torch.long)
