@@ -69,3 +69,18 @@ def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path
 def test_a_model_whose_heads_do_not_divide_is_refused_clearly(tiny_path):
     with pytest.raises(ValueError, match="tensor_parallel 3 must divide the model's 4 attention heads and 2"):
         GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=3))
+
+
+def test_a_group_on_cuda_needs_as_many_visible_devices(tiny_path):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this host has the devices")
+    with pytest.raises(ValueError, match=r'tensor_parallel 2 needs as many CUDA devices.*devices = \["cuda:0,1'):
+        GenerativeEngine.load(str(tiny_path), device="cuda:0", options=OPTIONS)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_tensor_parallel_must_be_a_positive_integer(bad):
+    from zserve.models.causal_lm import CausalLM
+
+    with pytest.raises(ValueError, match="tensor_parallel must be an integer of 1 or more"):
+        CausalLM(path="unused", tensor_parallel=bad)
