@@ -56,17 +56,20 @@ class StepMeta:
             mask = None
             if n < length:  # a later chunk of a prompt sees everything before it, and itself causally
                 mask = move(torch.arange(length).unsqueeze(0) <= torch.arange(length - n, length).unsqueeze(1))
-            prefills.append((start, end, move(self.slot_rows[i]), mask))
-        decodes = [] if padded else [(r, move(s)) for r, s in zip(decode_rows, self.slot_rows[:d], strict=True)]
-        return TorchStep(move(self.slot_mapping), decodes, padded, prefills)
+            prefills.append((start, end, move(self.tables[i]), length, mask))
+        decodes = []
+        if not padded:
+            decodes = [(decode_rows[i], move(self.tables[i]), self.context_lens[i]) for i in range(d)]
+        return TorchStep(self.block_size, move(self.slot_mapping), decodes, padded, prefills)
 
 
 @dataclass(slots=True)
 class TorchStep:
+    block_size: int
     write_slots: torch.Tensor  # [T]
-    decodes: list[tuple[int, torch.Tensor]]  # (row, KV slots), one SDPA call each
+    decodes: list[tuple[int, torch.Tensor, int]]  # (row, block table, KV length), one SDPA call each
     decode_padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [B], slots [B, L], mask
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row start, row end, KV slots, mask)
+    prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (row start, end, table, length, mask)
 
 
 class PagedKVCache:
@@ -87,8 +90,8 @@ class PagedKVCache:
         """The transformers attention-interface signature; q/k/v are [1, heads, T, head_dim]."""
         step: TorchStep = kwargs["zserve_meta"]
         kc, vc = self.k[module.layer_idx], self.v[module.layer_idx]
-        kc[step.write_slots] = k[0].transpose(0, 1)
-        vc[step.write_slots] = v[0].transpose(0, 1)
+        kc.index_copy_(0, step.write_slots, k[0].transpose(0, 1))
+        vc.index_copy_(0, step.write_slots, v[0].transpose(0, 1))
         out = torch.empty_like(q)
         if step.decode_padded is not None:
             rows, slots, mask = step.decode_padded
@@ -99,18 +102,23 @@ class PagedKVCache:
             out[0, :, rows] = o.squeeze(2).transpose(0, 1)
         # On a CPU, one unmasked call per sequence over its own KV beats one padded, masked batch (measured:
         # see bench/gen_attention.py); the mask forces SDPA's slow path and the padding costs too.
-        for row, slots in step.decodes:
+        bs = step.block_size
+        kb, vb = kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:])
+        for row, table, length in step.decodes:
             out[:, :, row : row + 1] = F.scaled_dot_product_attention(
-                q[:, :, row : row + 1],
-                kc[slots].transpose(0, 1).unsqueeze(0),
-                vc[slots].transpose(0, 1).unsqueeze(0),
-                scale=scaling,
-                enable_gqa=True,
-            )
-        for start, end, slots, mask in step.prefills:
-            keys = kc[slots].transpose(0, 1).unsqueeze(0)
-            values = vc[slots].transpose(0, 1).unsqueeze(0)
+                q[:, :, row : row + 1], _gather(kb, table, length), _gather(vb, table, length),
+                scale=scaling, enable_gqa=True,
+            )  # fmt: skip
+        for start, end, table, length, mask in step.prefills:
+            keys, values = _gather(kb, table, length), _gather(vb, table, length)
             out[:, :, start:end] = F.scaled_dot_product_attention(
                 q[:, :, start:end], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
             )
         return out.transpose(1, 2), None
+
+
+def _gather(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's first ``length`` KV rows as [1, kv_heads, length, head_dim], from its block table:
+    ``index_select`` of whole blocks copies 5x faster than indexing every slot (measured: 9 against 46 us for
+    300 slots of 3 x 64 fp32), and SDPA reads the strided view as is."""
+    return blocks.index_select(0, table).flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)

@@ -24,6 +24,7 @@ import torch
 
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse
+from zserve.stages.generate import cpu_linear
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
 from zserve.stages.generate.sequence import SamplingParams
@@ -57,6 +58,7 @@ class EngineOptions:
     prefix_caching: bool = True
     max_new_tokens: int = 64  # the default per request
     tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
+    cpu_linear: str = "onednn"  # on a CPU: "onednn" (weights prepacked once, cpu_linear.py) or "torch"
 
 
 class GenerativeEngine:
@@ -100,6 +102,8 @@ class GenerativeEngine:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if options.tensor_parallel == 1:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+            if options.cpu_linear == "onednn" and cpu_linear.available(model):
+                cpu_linear.prepack(model)
             return cls(model, tokenizer, options)
         from zserve.stages.generate.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
 

@@ -85,6 +85,8 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
     assert pipe.model.decode_request("plain text") == {"prompt": "plain text"}
     with pytest.raises(ValueError, match="needs the `path` option"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM")
+    with pytest.raises(ValueError, match="cpu_linear 'mkl' must be onednn or torch"):
+        zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_linear="mkl")
     with pytest.raises(zserve.BadRequest) as info:  # an unknown option is named
         pipe.model.decode_request({"prompt": "x", "colour": "blue"})
     assert info.value.field == "colour"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from zserve.stages.generate import cpu_linear
 from zserve.stages.generate.engine_core import EngineCore
 from zserve.stages.generate.sequence import SamplingParams
 
@@ -39,14 +40,20 @@ def prompts(k=16, seed=1):
 
 
 @pytest.mark.parametrize(
-    ("chunked", "num_blocks", "budget", "batched"),
-    # the third forces preemption; the last runs decodes as one padded batch, the path GPUs take
-    [(True, 256, 64, False), (False, 256, 512, False), (True, 24, 48, False), (True, 256, 64, True)],
-    ids=["chunked", "whole-prompts", "preempting", "batched-decode"],
-)
-def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num_blocks, budget, batched):
+    ("chunked", "num_blocks", "budget", "batched", "packed"),
+    # the third forces preemption; the fourth runs decodes as one padded batch, the path GPUs take; the last
+    # has its linear layers on oneDNN-prepacked weights (GenerativeEngine.load's default on a CPU)
+    [(True, 256, 64, False, False), (False, 256, 512, False, False), (True, 24, 48, False, False),
+     (True, 256, 64, True, False), (True, 24, 48, False, True)],
+    ids=["chunked", "whole-prompts", "preempting", "batched-decode", "onednn-linear"],
+)  # fmt: skip
+def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num_blocks, budget, batched, packed):
+    model = copy.deepcopy(reference)
+    if packed:
+        assert cpu_linear.available(model)
+        assert cpu_linear.prepack(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
     engine = EngineCore(
-        copy.deepcopy(reference),
+        model,
         num_blocks=num_blocks,
         block_size=8,
         max_batched_tokens=budget,

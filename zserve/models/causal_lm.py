@@ -11,7 +11,8 @@ Options: ``path`` (a local folder, a hub name, or ``package:NAME`` for an instal
 "float16"), and the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of the free
 memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
 budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
-``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request).
+``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
+("onednn": on a CPU the linear layers' weights are prepacked for oneDNN once at load; "torch": as loaded).
 """
 
 from __future__ import annotations
@@ -42,17 +43,20 @@ class CausalLM(Model):
         prefix_caching: bool = True,
         max_new_tokens: int = 64,
         tensor_parallel: int = 1,
+        cpu_linear: str = "onednn",
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
-            tensor_parallel=tensor_parallel,
+            tensor_parallel=tensor_parallel, cpu_linear=cpu_linear,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
         if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be an integer of 1 or more, not {tensor_parallel!r}")
+        if cpu_linear not in ("onednn", "torch"):
+            raise ValueError(f"cpu_linear {cpu_linear!r} must be onednn or torch")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r} must be one of float32, bfloat16, float16")
         self.path = path
@@ -71,6 +75,7 @@ class CausalLM(Model):
             max_batched_tokens=int(o["max_batched_tokens"]), max_running=int(o["max_running"]),
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
+            cpu_linear=str(o["cpu_linear"]),
         )  # fmt: skip
         self.engine = GenerativeEngine.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
