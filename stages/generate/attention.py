@@ -8,9 +8,10 @@ first. The cache tensors are ``[num_blocks * block_size, kv_heads, head_dim]`` p
 view of flash-attn's paged ``[num_blocks, block_size, kv_heads, head_dim]``.
 
 The torch backend (CPU, and the fallback on GPUs without a paged kernel) writes the new K/V at their slots,
-then attends each sequence to its own KV only: decodes one SDPA call each (CPU) or as one padded batch
-(GPU), prefill chunks one by one, causal with their offset. Cost is linear in the total KV, not quadratic
-in the batch.
+then attends each sequence to its own KV only: on a CPU all decodes in one call of the C kernel that reads
+the blocks in place (``native.py``; without it, one SDPA call each over its gathered KV), on a GPU as one
+padded batch; prefill chunks one by one, causal with their offset. Cost is linear in the total KV, not
+quadratic in the batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from zserve.stages.generate.native import decode_kernel
 
 
 @dataclass(slots=True)
@@ -57,10 +60,13 @@ class StepMeta:
             if n < length:  # a later chunk of a prompt sees everything before it, and itself causally
                 mask = move(torch.arange(length).unsqueeze(0) <= torch.arange(length - n, length).unsqueeze(1))
             prefills.append((start, end, move(self.tables[i]), length, mask))
-        decodes = []
-        if not padded:
+        decodes, tables, lengths = [], None, None
+        if d and not padded:
             decodes = [(decode_rows[i], move(self.tables[i]), self.context_lens[i]) for i in range(d)]
-        return TorchStep(self.block_size, move(self.slot_mapping), decodes, padded, prefills)
+            if device.type == "cpu":  # the native kernel's inputs (native.py)
+                tables = torch.nn.utils.rnn.pad_sequence(self.tables[:d], batch_first=True)
+                lengths = torch.tensor(self.context_lens[:d], dtype=torch.int32)
+        return TorchStep(self.block_size, move(self.slot_mapping), decodes, padded, prefills, tables, lengths)
 
 
 @dataclass(slots=True)
@@ -70,6 +76,8 @@ class TorchStep:
     decodes: list[tuple[int, torch.Tensor, int]]  # (row, block table, KV length), one SDPA call each
     decode_padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows [B], slots [B, L], mask
     prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (row start, end, table, length, mask)
+    decode_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int32, on a CPU
+    decode_lengths: torch.Tensor | None = None  # [num_decodes] int32
 
 
 class PagedKVCache:
@@ -81,10 +89,13 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        native_decode: bool = True,
     ):
+        """``native_decode``: CPU decodes attend through the C kernel (``native.py``) where it applies."""
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.native = decode_kernel(self.k[0]) if native_decode else None
 
     def attention(self, module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The transformers attention-interface signature; q/k/v are [1, heads, T, head_dim]."""
@@ -100,11 +111,19 @@ class PagedKVCache:
             queries = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
             out[0, :, rows] = o.squeeze(2).transpose(0, 1)
-        # On a CPU, one unmasked call per sequence over its own KV beats one padded, masked batch (measured:
-        # see bench/gen_attention.py); the mask forces SDPA's slow path and the padding costs too.
         bs = step.block_size
+        decodes = step.decodes
+        if decodes and self.native is not None and step.decode_tables is not None:
+            d = len(decodes)  # decodes are rows [0, d) of the packed row
+            self.native(
+                q[0, :, :d].transpose(0, 1), kc, vc, step.decode_tables, step.decode_lengths, bs,
+                scaling if scaling is not None else q.shape[-1] ** -0.5, out[0, :, :d].transpose(0, 1),
+            )  # fmt: skip
+            decodes = []
+        # Without the kernel, one unmasked SDPA call per sequence over its own KV beats one padded, masked
+        # batch on a CPU (bench/gen_attention.py): the mask forces SDPA's slow path and the padding costs too.
         kb, vb = kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:])
-        for row, table, length in step.decodes:
+        for row, table, length in decodes:
             out[:, :, row : row + 1] = F.scaled_dot_product_attention(
                 q[:, :, row : row + 1], _gather(kb, table, length), _gather(vb, table, length),
                 scale=scaling, enable_gqa=True,

@@ -59,6 +59,7 @@ class EngineOptions:
     max_new_tokens: int = 64  # the default per request
     tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
     cpu_linear: str = "onednn"  # on a CPU: "onednn" (weights prepacked once, cpu_linear.py) or "torch"
+    cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
 
 
 class GenerativeEngine:
@@ -81,7 +82,7 @@ class GenerativeEngine:
             model, num_blocks=num_blocks, block_size=options.block_size,
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
             chunked_prefill=options.chunked_prefill, prefix_caching=options.prefix_caching,
-            tensor_parallel=tensor_parallel,
+            native_decode=options.cpu_attention == "native", tensor_parallel=tensor_parallel,
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
 

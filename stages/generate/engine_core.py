@@ -64,10 +64,12 @@ class EngineCore:
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
         batched_decode: bool | None = None,
+        native_decode: bool = True,
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
-        call per sequence is faster). ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
+        call per sequence is faster). ``native_decode``: CPU decodes attend through the C kernel
+        (``native.py``) where it applies. ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
         is broadcast to the other ranks before it runs."""
         config = model.config
         self.model = model.eval()
@@ -78,8 +80,9 @@ class EngineCore:
         self.batched_decode = self.device.type != "cpu" if batched_decode is None else batched_decode
         self.tensor_parallel = tensor_parallel
         if tensor_parallel is not None:
-            tensor_parallel.init_cache(num_blocks, block_size, self.batched_decode)
-        self.cache = paged_cache_for(model, num_blocks, block_size, tensor_parallel.size if tensor_parallel else 1)
+            tensor_parallel.init_cache(num_blocks, block_size, self.batched_decode, native_decode)
+        tp = tensor_parallel.size if tensor_parallel else 1
+        self.cache = paged_cache_for(model, num_blocks, block_size, tp, native_decode=native_decode)
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
         )
@@ -199,13 +202,15 @@ class EngineCore:
         return outputs
 
 
-def paged_cache_for(model, num_blocks: int, block_size: int, tensor_parallel: int = 1) -> PagedKVCache:
+def paged_cache_for(
+    model, num_blocks: int, block_size: int, tensor_parallel: int = 1, *, native_decode: bool = True
+) -> PagedKVCache:
     """A paged KV cache for ``model`` (its share of the key/value heads, under tensor parallelism), plugged
     into the model's attention layers."""
     config = model.config
     cache = PagedKVCache(
         config.num_hidden_layers, num_blocks * block_size, kv_heads(config) // tensor_parallel, head_dim(config),
-        model.dtype, model.device,
+        model.dtype, model.device, native_decode,
     )  # fmt: skip
     name = f"zserve_paged_{next(_names)}"
     AttentionInterface.register(name, cache.attention)

@@ -137,9 +137,10 @@ class TensorParallelGroup:
             logging.shutdown()
             os._exit(1)  # collectives cannot go on; the supervisor restarts the whole group
 
-    def init_cache(self, num_blocks: int, block_size: int, batched_decode: bool) -> None:
+    def init_cache(self, num_blocks: int, block_size: int, batched_decode: bool, native_decode: bool) -> None:
         """Tell the followers how to size their KV caches (rank 0 decides: free memory differs per device)."""
-        dist.broadcast(torch.tensor([num_blocks, block_size, int(batched_decode)]), 0, group=self._control)
+        sizes = torch.tensor([num_blocks, block_size, int(batched_decode), int(native_decode)])
+        dist.broadcast(sizes, 0, group=self._control)
 
     def forward(
         self, model: Any, ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta, sample_rows: list[int],
@@ -214,10 +215,10 @@ def follow(rank: int, spec: GroupSpec) -> None:
     """A follower's life: join, load its shard, size its KV cache as rank 0 says, then mirror every step."""
     control = _join(rank, spec)
     model = load_sharded(spec)
-    sizes = torch.empty(3, dtype=torch.long)
+    sizes = torch.empty(4, dtype=torch.long)
     dist.broadcast(sizes, 0, group=control)
-    num_blocks, block_size, batched_decode = sizes.tolist()
-    paged_cache_for(model, num_blocks, block_size, spec.size)
+    num_blocks, block_size, batched_decode, native_decode = sizes.tolist()
+    paged_cache_for(model, num_blocks, block_size, spec.size, native_decode=bool(native_decode))
     with torch.inference_mode():
         while (step := receive_step(control, block_size)) is not None:
             forward(model, *step, batched_decode=bool(batched_decode))

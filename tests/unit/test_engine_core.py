@@ -40,14 +40,17 @@ def prompts(k=16, seed=1):
 
 
 @pytest.mark.parametrize(
-    ("chunked", "num_blocks", "budget", "batched", "packed"),
-    # the third forces preemption; the fourth runs decodes as one padded batch, the path GPUs take; the last
-    # has its linear layers on oneDNN-prepacked weights (GenerativeEngine.load's default on a CPU)
-    [(True, 256, 64, False, False), (False, 256, 512, False, False), (True, 24, 48, False, False),
-     (True, 256, 64, True, False), (True, 24, 48, False, True)],
-    ids=["chunked", "whole-prompts", "preempting", "batched-decode", "onednn-linear"],
+    ("chunked", "num_blocks", "budget", "batched", "packed", "native"),
+    # the third forces preemption; the fourth runs decodes as one padded batch, the path GPUs take; the fifth
+    # has its linear layers on oneDNN-prepacked weights (GenerativeEngine.load's default on a CPU); the last
+    # attends with torch's SDPA per sequence instead of the C decode kernel
+    [(True, 256, 64, False, False, True), (False, 256, 512, False, False, True), (True, 24, 48, False, False, True),
+     (True, 256, 64, True, False, True), (True, 24, 48, False, True, True), (True, 24, 48, False, False, False)],
+    ids=["chunked", "whole-prompts", "preempting", "batched-decode", "onednn-linear", "torch-decode"],
 )  # fmt: skip
-def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num_blocks, budget, batched, packed):
+def test_greedy_matches_generate_with_staggered_arrivals(
+    reference, chunked, num_blocks, budget, batched, packed, native
+):
     model = copy.deepcopy(reference)
     if packed:
         assert cpu_linear.available(model)
@@ -59,7 +62,9 @@ def test_greedy_matches_generate_with_staggered_arrivals(reference, chunked, num
         max_batched_tokens=budget,
         chunked_prefill=chunked,
         batched_decode=batched,
+        native_decode=native,
     )
+    assert (engine.cache.native is not None) == native  # a C compiler is part of the test setup
     batch = prompts()
     n_new = 12
     produced: dict[int, list[int]] = {}

@@ -12,7 +12,8 @@ Options: ``path`` (a local folder, a hub name, or ``package:NAME`` for an instal
 memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
 budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
 ``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
-("onednn": on a CPU the linear layers' weights are prepacked for oneDNN once at load; "torch": as loaded).
+("onednn": on a CPU the linear layers' weights are prepacked for oneDNN once at load; "torch": as loaded),
+``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch").
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class CausalLM(Model):
         max_new_tokens: int = 64,
         tensor_parallel: int = 1,
         cpu_linear: str = "onednn",
+        cpu_attention: str = "native",
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
-            tensor_parallel=tensor_parallel, cpu_linear=cpu_linear,
+            tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
@@ -57,6 +59,8 @@ class CausalLM(Model):
             raise ValueError(f"tensor_parallel must be an integer of 1 or more, not {tensor_parallel!r}")
         if cpu_linear not in ("onednn", "torch"):
             raise ValueError(f"cpu_linear {cpu_linear!r} must be onednn or torch")
+        if cpu_attention not in ("native", "torch"):
+            raise ValueError(f"cpu_attention {cpu_attention!r} must be native or torch")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r} must be one of float32, bfloat16, float16")
         self.path = path
@@ -75,7 +79,7 @@ class CausalLM(Model):
             max_batched_tokens=int(o["max_batched_tokens"]), max_running=int(o["max_running"]),
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
-            cpu_linear=str(o["cpu_linear"]),
+            cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]),
         )  # fmt: skip
         self.engine = GenerativeEngine.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options

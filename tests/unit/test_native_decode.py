@@ -1,0 +1,69 @@
+"""The C decode-attention kernel (``native.py``): the same attention as SDPA over each sequence's gathered KV,
+for any head size and grouping, lengths on and off block boundaries, and strided queries/outputs as the
+model's attention layers hand them over."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zserve.stages.generate import native
+
+
+def reference(q, kc, vc, tables, lengths, block_size, scale):
+    out = torch.empty_like(q)
+    kb, vb = kc.view(-1, block_size, *kc.shape[1:]), vc.view(-1, block_size, *vc.shape[1:])
+    for b, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        k = kb.index_select(0, table).flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        v = vb.index_select(0, table).flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        out[b] = F.scaled_dot_product_attention(q[b : b + 1].unsqueeze(2), k, v, scale=scale, enable_gqa=True)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 80)])
+def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim):
+    kernel = native.decode_kernel(torch.zeros(1, kv_heads, head_dim))
+    if kernel is None:
+        pytest.skip("no C compiler here: the engine runs the torch path")
+    rng = random.Random(head_dim)
+    block_size, num_blocks = 8, 300
+    torch.manual_seed(heads)
+    kc = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    vc = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    lengths = [1, 8, 9, 16, 17, rng.randrange(2, 400), rng.randrange(2, 400)]
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    tables, used = [], 0
+    for n in lengths:
+        blocks = -(-n // block_size)
+        tables.append(perm[used : used + blocks])
+        used += blocks
+    # queries as the model hands them: [1, heads, T, head_dim], a transposed view of [1, T, heads, head_dim]
+    q = torch.randn(1, len(lengths), heads, head_dim).transpose(1, 2)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    kernel(
+        q[0].transpose(0, 1), kc, vc, torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),
+        torch.tensor(lengths, dtype=torch.int32), block_size, scale, out[0].transpose(0, 1),
+    )  # fmt: skip
+    want = reference(q[0].transpose(0, 1), kc, vc, tables, lengths, block_size, scale)
+    torch.testing.assert_close(out[0].transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_does_not_apply_off_fp32_cpu_caches():
+    assert native.decode_kernel(torch.zeros(4, 2, 8, dtype=torch.bfloat16)) is None
+    assert native.decode_kernel(torch.zeros(4, 2, 8)[:, :, ::2]) is None  # not contiguous
+
+
+def test_without_a_compiler_the_kernel_is_none_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="zserve.engine"):
+            assert native.decode_kernel(torch.zeros(4, 2, 8)) is None
+        assert "no C compiler" in caplog.text
+    finally:
+        native._library.cache_clear()
