@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -207,8 +208,12 @@ def decode_kernel(cache: torch.Tensor) -> PagedDecode | None:
 
 
 class PagedDecode:
+    """The kernel over a step's decodes; with torch's thread count above 1, the rows split into that many
+    parts of about equal KV, run on a small thread pool (ctypes releases the GIL for the call)."""
+
     def __init__(self, fn) -> None:
         self._fn = fn
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -218,9 +223,30 @@ class PagedDecode:
         ``k``/``v``: one layer's cache [slots, Hkv, D]; ``tables`` [B, max_blocks] and ``lengths`` [B] int32.
         The caller guarantees every table entry is a block of the cache and lengths[b] <= blocks * block_size
         (the block manager's tables are), which is what keeps the kernel's reads in bounds."""
-        B, H, D = q.shape
         if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != torch.float32 or out.dtype != torch.float32:
             raise ValueError("paged decode: q and out must be float32 with a contiguous head_dim")
+        if tables.dtype != torch.int32 or lengths.dtype != torch.int32 or not tables.is_contiguous():
+            raise ValueError("paged decode: tables and lengths must be contiguous int32")
+        parts = min(torch.get_num_threads(), q.shape[0])
+        if parts < 2:
+            return self._run(q, k, v, tables, lengths, block_size, scale, out)
+        if self._pool is None or self._pool._max_workers < parts - 1:
+            self._pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="zserve-attention")
+        cum = lengths.cumsum(0)
+        cuts = torch.searchsorted(cum, cum[-1] * torch.arange(1, parts) // parts, right=True).tolist()
+        bounds = list(zip([0, *cuts], [*cuts, q.shape[0]], strict=True))
+        futures = [
+            self._pool.submit(self._run, q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
+            for a, b in bounds[1:] if b > a
+        ]  # fmt: skip
+        a, b = bounds[0]
+        if b > a:
+            self._run(q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
+        for f in futures:
+            f.result()
+
+    def _run(self, q, k, v, tables, lengths, block_size: int, scale: float, out) -> None:
+        B, H, D = q.shape
         rc = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
             tables.shape[1], lengths.data_ptr(), B, H, k.shape[1], D, block_size, scale, out.data_ptr(),

@@ -23,8 +23,17 @@ def reference(q, kc, vc, tables, lengths, block_size, scale):
     return out
 
 
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 80)])
-def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("threads", [1, 3], indirect=True, ids=["1-thread", "rows-split-3-ways"])
+def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim, threads):
     kernel = native.decode_kernel(torch.zeros(1, kv_heads, head_dim))
     if kernel is None:
         pytest.skip("no C compiler here: the engine runs the torch path")
