@@ -53,12 +53,17 @@ def resolve_model_path(path: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations))))
 
 
-def cache_root(cache_dir: str | None = None) -> Path:
-    """The folder holding converted checkpoints: ``cache_dir``, $ZSERVE_CACHE_DIR or the user cache, + ``gguf/``."""
+def zserve_cache(cache_dir: str | None = None) -> Path:
+    """zserve's cache folder: ``cache_dir``, $ZSERVE_CACHE_DIR or the user cache's ``zserve/``."""
     root = cache_dir or os.environ.get("ZSERVE_CACHE_DIR")
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zserve")
-    return Path(root) / "gguf"
+    return Path(root)
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """The folder holding converted checkpoints: ``zserve_cache(cache_dir)/gguf/``."""
+    return zserve_cache(cache_dir) / "gguf"
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:

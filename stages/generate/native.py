@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from zserve.gguf_cache import zserve_cache
+
 log = logging.getLogger("zserve.engine")
 
 _SOURCE = r"""
@@ -141,13 +143,6 @@ int zserve_paged_decode(const float *q, long q_sb, long q_sh, const float *k, co
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("ZSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zserve"
-    )
-    return Path(root) / "kernels"
-
-
 def _cpu_id() -> str:
     """What -march=native compiles for: the machine and its CPU feature flags."""
     flags = ""
@@ -181,7 +176,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler (%s) found: CPU decode attention runs on torch (slower)", compiler)
         return None
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = zserve_cache() / "kernels" / f"paged_decode-{key}.so"
     try:
         if not target.exists():
             _compile(compiler, target)
