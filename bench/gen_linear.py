@@ -5,6 +5,7 @@ from memory as in a real step), run on R rows through
 
   torch   ``nn.Linear`` as loaded (MKL for fp32 on a CPU)
   onednn  ``cpu_linear.PackedLinear``, the weight reordered once for oneDNN (the engine's CPU default)
+  torch-bf16 / onednn-bf16  the same with the weights and inputs in bfloat16 (``dtype = "bfloat16"``)
 
 Prints ms per step (every linear layer once) and the ratio, best of --repeat.
 
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
     plain = [m for m in model.modules() if type(m) is nn.Linear]
     packed = [cpu_linear.PackedLinear(m) for m in plain]
+    plain_bf16 = [nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=torch.bfloat16)
+                  for m in plain]  # fmt: skip
+    packed_bf16 = [cpu_linear.PackedLinear(m) for m in plain_bf16]
     print(f"{path}: {len(plain)} linear layers, {sum(m.weight.numel() for m in plain) / 1e6:.1f} M weights, "
           f"{args.dtype}, {args.threads} thread(s)")  # fmt: skip
 
@@ -62,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in (int(x) for x in args.rows.split(",") if x):
         inputs = {m.in_features: torch.randn(1, r, m.in_features, dtype=model.dtype) for m in plain}
-        step_ms(plain, inputs)  # warm up both
-        step_ms(packed, inputs)
-        torch_ms, onednn_ms = step_ms(plain, inputs), step_ms(packed, inputs)
-        rows.append({"rows": r, "torch_ms": torch_ms, "onednn_ms": onednn_ms})
-        print(f"  {r:>4} rows: torch {torch_ms:7.1f} ms  onednn {onednn_ms:7.1f} ms  "
-              f"onednn/torch {onednn_ms / torch_ms:.2f}", flush=True)  # fmt: skip
+        inputs_bf16 = {k: x.bfloat16() for k, x in inputs.items()}
+        legs = {"torch": (plain, inputs), "onednn": (packed, inputs), "torch-bf16": (plain_bf16, inputs_bf16),
+                "onednn-bf16": (packed_bf16, inputs_bf16)}  # fmt: skip
+        for layers, x in legs.values():  # warm up every leg
+            step_ms(layers, x)
+        row = {"rows": r} | {f"{name}_ms": step_ms(layers, x) for name, (layers, x) in legs.items()}
+        rows.append(row)
+        cells = "  ".join(f"{name} {row[f'{name}_ms']:7.1f}" for name in legs)
+        print(f"  {r:>4} rows (ms): {cells}  onednn/torch {row['onednn_ms'] / row['torch_ms']:.2f}", flush=True)
     report.write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"wrote {args.out}")
     return 0
