@@ -29,7 +29,7 @@ from zserve.frames import pack
 from zserve.model import Model
 from zserve.protocol import Batch, BatchResult, Codec, Status
 from zserve.stages.items import Failure, ResultBuilder, decode_items
-from zserve.stages.runtime import WorkerLink, run_worker
+from zserve.stages.runtime import WorkerLink, enter_compute_thread, run_worker
 from zserve.transport import make_socket
 
 log = logging.getLogger("zserve.engine")
@@ -146,6 +146,7 @@ class PipelinedEngine:
             self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
 
     def _compute_loop(self) -> None:
+        enter_compute_thread(self.link.threads)
         while (job := self._inbox.get()) is not None:
             self.link.busy = True
             try:
@@ -181,7 +182,7 @@ def make_runner(model: Model, link: WorkerLink) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_worker("engine", __doc__, start_engine, make_runner, argv)
+    return run_worker("engine", __doc__, start_engine, make_runner, argv, computes_on_thread=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine import PreparedPrompt, engine_of
 from zserve.stages.items import Failure
-from zserve.stages.runtime import WorkerLink
+from zserve.stages.runtime import WorkerLink, enter_compute_thread
 from zserve.transport import make_socket
 
 log = logging.getLogger("zserve.generate")
@@ -150,6 +150,7 @@ class GenerationRunner:
     # ---- the step thread ----
 
     def _step_loop(self) -> None:
+        enter_compute_thread(self.link.threads)
         core = self.core  # its sequence ids are the broker's batch ids
 
         def drop(batch_id: int) -> None:
