@@ -209,6 +209,7 @@ class PagedDecode:
     def __init__(self, fn) -> None:
         self._fn = fn
         self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -225,8 +226,10 @@ class PagedDecode:
         parts = min(torch.get_num_threads(), q.shape[0])
         if parts < 2:
             return self._run(q, k, v, tables, lengths, block_size, scale, out)
-        if self._pool is None or self._pool._max_workers < parts - 1:
-            self._pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="zserve-attention")
+        if self._workers < parts - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._workers = ThreadPoolExecutor(parts - 1, thread_name_prefix="zserve-attention"), parts - 1
         cum = lengths.cumsum(0)
         cuts = torch.searchsorted(cum, cum[-1] * torch.arange(1, parts) // parts, right=True).tolist()
         bounds = list(zip([0, *cuts], [*cuts, q.shape[0]], strict=True))
