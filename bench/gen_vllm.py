@@ -141,6 +141,9 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
     python = vllm_python(args.venv)
     port = free_port()
     env = clean_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # A compile cache left by an earlier run failed to load ("Compiling model again due to a load failure")
+    # in the two runs whose first request was refused right after startup: compile afresh every time.
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     server = Managed(
         "vllm",
         [
@@ -265,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                         run_server("vllm", url, args, scenarios, rows)
                     finally:
                         meta["vllm_notable"] = server.notable[-20:]
+                        meta["vllm_tail"] = server.tail(30)
                         server.close()
                 except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                     failures["vllm"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
                     print(f"  vllm: FAILED: {failures['vllm']}", file=sys.stderr, flush=True)
+                    print(meta.get("vllm_tail", ""), file=sys.stderr, flush=True)
             if "zserve" in args.servers:
                 import zserve
 
