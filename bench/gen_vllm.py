@@ -141,8 +141,9 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
     python = vllm_python(args.venv)
     port = free_port()
     env = clean_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # A compile cache left by an earlier run failed to load ("Compiling model again due to a load failure")
-    # in the two runs whose first request was refused right after startup: compile afresh every time.
+    # Compile afresh: a compile cache left by an earlier run fails to load ("Compiling model again due to a
+    # load failure"). Three runs of six had their first request refused right after startup, one of them
+    # with this set too, so that is something else (unexplained; the leg then fails and prints the tail).
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     server = Managed(
         "vllm",
