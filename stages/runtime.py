@@ -216,9 +216,12 @@ class WorkerLink:
             self.ctx.term()
 
 
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 def _set_threads(threads: int) -> None:
     # Before torch is imported (by the handler's setup), so its thread pools start at this size.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    for var in _THREAD_VARS:
         os.environ.setdefault(var, str(threads))
 
 
@@ -229,7 +232,7 @@ def _keep_main_serial() -> None:
     only team and 105 us on a second one, and an engine step 1.3x as long. An engine computes on its own
     thread, so every other thread (main: load, warm-up, sockets) runs OpenMP serially and never starts a
     team: the environment says 1 before torch is imported, and the compute thread sets its own count."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    for var in _THREAD_VARS:
         os.environ[var] = "1"
     if "torch" in sys.modules:  # imported already (by a handler module's import): set it there too
         sys.modules["torch"].set_num_threads(1)

@@ -210,6 +210,7 @@ class PagedDecode:
         self._fn = fn
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
+        self._split: tuple[torch.Tensor | None, int, list[tuple[int, int]]] = (None, 0, [])  # lengths, parts, rows
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -230,9 +231,7 @@ class PagedDecode:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool, self._workers = ThreadPoolExecutor(parts - 1, thread_name_prefix="zserve-attention"), parts - 1
-        cum = lengths.cumsum(0)
-        cuts = torch.searchsorted(cum, cum[-1] * torch.arange(1, parts) // parts, right=True).tolist()
-        bounds = list(zip([0, *cuts], [*cuts, q.shape[0]], strict=True))
+        bounds = self._bounds(lengths, parts)
         futures = [
             self._pool.submit(self._run, q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
             for a, b in bounds[1:] if b > a
@@ -242,6 +241,16 @@ class PagedDecode:
             self._run(q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
         for f in futures:
             f.result()
+
+    def _bounds(self, lengths: torch.Tensor, parts: int) -> list[tuple[int, int]]:
+        """Row ranges of about equal KV, computed once per step: every layer gets the step's same lengths."""
+        last, last_parts, bounds = self._split
+        if lengths is not last or parts != last_parts:
+            cum = lengths.cumsum(0)
+            cuts = torch.searchsorted(cum, cum[-1] * torch.arange(1, parts) // parts, right=True).tolist()
+            bounds = list(zip([0, *cuts], [*cuts, lengths.shape[0]], strict=True))
+            self._split = (lengths, parts, bounds)
+        return bounds
 
     def _run(self, q, k, v, tables, lengths, block_size: int, scale: float, out) -> None:
         B, H, D = q.shape

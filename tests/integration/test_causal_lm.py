@@ -87,6 +87,8 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
         zserve.pipeline("zserve.models.causal_lm:CausalLM")
     with pytest.raises(ValueError, match="cpu_linear 'mkl' must be onednn or torch"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_linear="mkl")
+    with pytest.raises(ValueError, match="cpu_attention 'flash' must be native or torch"):
+        zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_attention="flash")
     with pytest.raises(zserve.BadRequest) as info:  # an unknown option is named
         pipe.model.decode_request({"prompt": "x", "colour": "blue"})
     assert info.value.field == "colour"
