@@ -142,8 +142,7 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
     port = free_port()
     env = clean_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     # Compile afresh: a compile cache left by an earlier run fails to load ("Compiling model again due to a
-    # load failure"). Three runs of six had their first request refused right after startup, one of them
-    # with this set too, so that is something else (unexplained; the leg then fails and prints the tail).
+    # load failure").
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     server = Managed(
         "vllm",
@@ -171,7 +170,32 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
     )
     server.start()
     server.wait_for_line(r"Application startup complete", timeout_s=900)
-    return server, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # uvicorn logs "Application startup complete" when the app's lifespan is up, before it calls listen() on
+    # the socket vLLM bound early: a request sent on that line can be refused (3 runs of 6 were). /health
+    # answering is the readiness signal.
+    wait_healthy(server, url, timeout_s=60)
+    return server, url
+
+
+def wait_healthy(server: Managed, url: str, timeout_s: float) -> None:
+    parts = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if server.proc is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {server.proc.returncode} before /health answered")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's /health did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def run_server(
