@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=256, help="zserve's token budget per step")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="zserve's token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=32, help="both servers' cap on running sequences")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "zserve" / "vllm-cpu-venv")

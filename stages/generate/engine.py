@@ -52,7 +52,7 @@ class EngineOptions:
     kv_cache_bytes: int = 0  # 0 = 1 GiB on a CPU, 90% of the free memory on a GPU
     num_blocks: int = 0  # overrides kv_cache_bytes
     block_size: int = 16
-    max_batched_tokens: int = 256
+    max_batched_tokens: int = 512
     max_running: int = 64
     chunked_prefill: bool = True
     prefix_caching: bool = True

@@ -59,7 +59,7 @@ class EngineCore:
         *,
         num_blocks: int = 256,
         block_size: int = 16,
-        max_batched_tokens: int = 256,
+        max_batched_tokens: int = 512,
         max_running: int = 64,
         chunked_prefill: bool = True,
         prefix_caching: bool = True,

@@ -38,7 +38,7 @@ class CausalLM(Model):
         kv_cache_bytes: int = 0,
         num_blocks: int = 0,
         block_size: int = 16,
-        max_batched_tokens: int = 256,
+        max_batched_tokens: int = 512,
         max_running: int = 64,
         chunked_prefill: bool = True,
         prefix_caching: bool = True,
