@@ -48,7 +48,7 @@ def _gunicorn(f: FrontendsConfig, pid_file: Path, listen_fd: int | None) -> list
     host = f"[{f.host}]" if ":" in f.host else f.host
     bind = f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{f.port}"
     return [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(f.workers),
-            "--bind", bind, "--no-control-socket",
+            "--bind", bind, "--no-control-socket", "--http-parser", "fast",
             "--graceful-timeout", str(int(f.graceful_timeout_s)),
             "--asgi-disconnect-grace-period", "0", "--keep-alive", "5", "--error-logfile", "-",
             "--pid", str(pid_file), "-c", "python:zserve.frontends.gunicorn_conf",
