@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import falcon
 import falcon.asgi
@@ -27,6 +29,7 @@ from zserve.frontends.resources import (
     MetricsResource,
     ModelsResource,
     PredictResource,
+    PredictRoute,
     ReadyResource,
     error_serializer,
 )
@@ -36,7 +39,24 @@ from zserve.model import load_handler
 log = logging.getLogger("zserve.frontend")
 
 
+@dataclass(frozen=True)
+class Frontend:
+    """One worker's falcon app, and what the fast HTTP path beside it (``fast_http.py``) needs: the predict
+    route's core and the API-key check (None: the API is open). Called, it is the app (ASGI)."""
+
+    app: falcon.asgi.App
+    predict: PredictRoute
+    auth: RequireApiKey | None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
+    return create_frontend(settings).app
+
+
+def create_frontend(settings: FrontendSettings | None = None) -> Frontend:
     if settings is None:
         raw = os.environ.get("ZSERVE_FRONTEND")
         if not raw:
@@ -51,11 +71,13 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     health = Health(client)
 
     keys = api_keys_from(settings.api_keys_file)
-    middleware = [RequireApiKey(keys, settings.auth_health, settings.probe_key)] if keys.enabled else []
+    auth = RequireApiKey(keys, settings.auth_health, settings.probe_key) if keys.enabled else None
+    middleware = [auth] if auth is not None else []
     app = falcon.asgi.App(cors_enable=False, middleware=middleware)
     app.req_options.auto_parse_form_urlencoded = False
     app.set_error_serializer(error_serializer)
-    app.add_route("/v1/models/{name}/predict", PredictResource(client, handlers, settings.max_body_bytes))
+    predict = PredictRoute(client, handlers, settings.max_body_bytes)
+    app.add_route("/v1/models/{name}/predict", PredictResource(predict))
     app.add_route("/v1/models", ModelsResource(handlers))
     if any(h.generative for h in handlers.values()):  # the same test as openapi_document's
         app.add_route("/v1/completions", CompletionsResource(client, handlers, settings.max_body_bytes))
@@ -78,4 +100,4 @@ def create_app(settings: FrontendSettings | None = None) -> falcon.asgi.App:
     app.add_route("/openapi.json", OpenApiResource(document))
     log.info("frontend worker up (pid %d), models: %s, API keys %s", os.getpid(), ", ".join(handlers),
              "required" if keys.enabled else "off")  # fmt: skip
-    return app
+    return Frontend(app, predict, auth)

@@ -23,6 +23,7 @@ log = logging.getLogger("zserve.frontend")
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/metrics")
 ENV_VAR = "ZSERVE_API_KEYS"
+MISSING_KEY = "an API key is required: send `Authorization: Bearer KEY`"
 
 
 def read_keys_file(path: str) -> list[bytes]:
@@ -99,14 +100,19 @@ class RequireApiKey:
         if self.keys.path:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.keys.reload)
 
+    def refusal(self, path: str, authorization: str | None) -> str | None:
+        """Why a request to ``path`` with this ``Authorization`` header is refused (a 401), or None."""
+        if path in self.open_paths:
+            return None
+        also = self.probe_keys if path in HEALTH_PATHS else ()
+        if self.keys.allows(authorization, also):
+            return None
+        return "invalid API key" if authorization is not None else MISSING_KEY
+
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if req.path in self.open_paths:
+        message = self.refusal(req.path, req.get_header("Authorization"))
+        if message is None:
             return
-        also = self.probe_keys if req.path in HEALTH_PATHS else ()
-        if self.keys.allows(req.get_header("Authorization"), also):
-            return
-        has_header = req.get_header("Authorization") is not None
-        message = "invalid API key" if has_header else "an API key is required: send `Authorization: Bearer KEY`"
         error_writer(req.path)(resp, 401, "invalid_api_key", message)
         resp.set_header("WWW-Authenticate", "Bearer")
         resp.complete = True  # falcon skips routing and the responder

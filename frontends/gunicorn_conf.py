@@ -9,7 +9,7 @@ from typing import Any
 from zserve.frontends.reload import worker_exited_line, worker_ready_line
 from zserve.transport import die_with_parent
 
-worker_class = "asgi"
+worker_class = "zserve.frontends.fast_worker.FastPathWorker"  # gunicorn's asgi worker + the fast HTTP path
 preload_app = False  # each worker builds its own ZeroMQ client after fork
 
 

@@ -13,7 +13,7 @@ import falcon.asgi
 import msgspec
 
 from zserve import payload
-from zserve.client import AsyncClient
+from zserve.client import Answer, AsyncClient
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
@@ -124,14 +124,6 @@ async def read_json(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
 RAW_CONTENT_TYPES = ("application/octet-stream", "image/")
 
 
-async def read_body(req: falcon.asgi.Request, max_body_bytes: int) -> Any:
-    """The native route's body: bytes for a raw content type (RAW_CONTENT_TYPES), else ``read_json``'s."""
-    content_type = (req.content_type or "").lower()
-    if content_type.startswith(RAW_CONTENT_TYPES):
-        return await read_raw(req, max_body_bytes)
-    return await read_json(req, max_body_bytes)
-
-
 def decode_item(handler: Model, body: Any) -> Any:
     """``handler.decode_request(body)``: whatever it raises is the client's bad input (400), never a 500."""
     try:
@@ -175,28 +167,50 @@ class Health:
         return self._report
 
 
-class PredictResource:
+class PredictRoute:
+    """The native predict route without HTTP: a body to the model's item, an Answer to the response body.
+    The falcon resource and the fast HTTP path (``fast_http.py``) both run it, so they answer alike."""
+
     def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
         self.client = client
         self.handlers = handlers
         self.max_body_bytes = max_body_bytes
         self.metrics = {name: metrics.ModelMetrics(name) for name in handlers}
 
+    def item(self, handler: Model, raw: bytes, content_type: str) -> Any:
+        """``decode_request`` of the body: bytes for a raw content type (RAW_CONTENT_TYPES), else its JSON.
+        Raises RequestError or BadRequest (413, 400)."""
+        if len(raw) > self.max_body_bytes:
+            raise RequestError(413, "payload_too_large", f"body is over {self.max_body_bytes} bytes")
+        body = raw if content_type.lower().startswith(RAW_CONTENT_TYPES) else decode_json(raw)
+        return decode_item(handler, body)
+
+    @staticmethod
+    def response_body(handler: Model, answer: Answer) -> bytes:
+        """``encode_response`` of the model's output, as JSON (raises what ``encode_response`` raises)."""
+        return _json.encode(handler.encode_response(answer.value))
+
+
+class PredictResource:
+    def __init__(self, route: PredictRoute) -> None:
+        self.route = route
+
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str) -> None:
         started = time.perf_counter()
-        handler = self.handlers.get(name)
+        handler = self.route.handlers.get(name)
         if handler is None:
             return set_error(resp, 404, "unknown_model", f"no model named {name!r}; see GET /v1/models")
         code, batch_size = await self._predict(req, resp, name, handler)
-        self.metrics[name].answered(code, time.perf_counter() - started, batch_size)
+        self.route.metrics[name].answered(code, time.perf_counter() - started, batch_size)
 
     async def _predict(
         self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str, handler: Model
     ) -> tuple[int, int]:
         """(HTTP status, batch size)."""
         try:
-            item = decode_item(handler, await read_body(req, self.max_body_bytes))
-            answer = await self.client.infer(name, item, decoded=True)
+            raw = await read_raw(req, self.route.max_body_bytes)
+            item = self.route.item(handler, raw, req.content_type or "")
+            answer = await self.route.client.infer(name, item, decoded=True)
         except Exception as exc:
             error = request_error(exc)
             if error is None:
@@ -204,7 +218,7 @@ class PredictResource:
             set_error(resp, error.status, error.type_name, error.message, error.field)
             return error.status, 0
         try:
-            resp.data = _json.encode(handler.encode_response(answer.value))
+            resp.data = self.route.response_body(handler, answer)
         except Exception as exc:
             log.exception("encode_response failed for model %s", name)
             set_error(resp, 500, "model_error", f"encode_response raised {type(exc).__name__}: {exc}")

@@ -15,6 +15,8 @@ from pathlib import Path
 from zserve.config import FrontendsConfig
 
 APP_FACTORY = "zserve.frontends.app:create_app"
+FRONTEND_FACTORY = "zserve.frontends.app:create_frontend"  # the app and the fast path's predict route
+WORKER_CLASS = "zserve.frontends.fast_worker.FastPathWorker"
 GRANIAN_APP_FACTORY = "zserve.frontends.granian_app:create_app"  # + cancel on client hang-up
 
 
@@ -47,12 +49,12 @@ def server_argv(f: FrontendsConfig, pid_file: Path, listen_fd: int | None = None
 def _gunicorn(f: FrontendsConfig, pid_file: Path, listen_fd: int | None) -> list[str]:
     host = f"[{f.host}]" if ":" in f.host else f.host
     bind = f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{f.port}"
-    return [sys.executable, "-m", "gunicorn", "--worker-class", "asgi", "--workers", str(f.workers),
+    return [sys.executable, "-m", "gunicorn", "--worker-class", WORKER_CLASS, "--workers", str(f.workers),
             "--bind", bind, "--no-control-socket", "--http-parser", "fast",
             "--graceful-timeout", str(int(f.graceful_timeout_s)),
             "--asgi-disconnect-grace-period", "0", "--keep-alive", "5", "--error-logfile", "-",
             "--pid", str(pid_file), "-c", "python:zserve.frontends.gunicorn_conf",
-            f"{APP_FACTORY}()"]  # fmt: skip
+            f"{FRONTEND_FACTORY}()"]  # fmt: skip
 
 
 def _granian(f: FrontendsConfig, pid_file: Path) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,13 @@ class Deployment:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no line with {text!r} after line {after} in:\n{self.output}")
             time.sleep(0.05)
+
+    def wait_frontend_workers(self, n: int, timeout_s: float = 60.0) -> None:
+        """Wait for ``n`` gunicorn workers' ready lines (``zserve up`` is ready once one of them serves)."""
+        after = seen = 0
+        while seen < n:
+            after = self.wait_for_line(" ready", timeout_s, after)
+            seen += bool(re.search(r"frontend worker \d+ ready", self.lines[after - 1]))
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)

@@ -33,6 +33,7 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
     path = write_config(tmp_path, ONE_MODEL.format(port=free_port(), handler="testmodels:SlowEcho", max_restarts=3))
     d = Deployment(path).wait_ready()
     assert d.request("POST", "/v1/models/m/predict", {"a": 1})[0] == 200
+    d.wait_frontend_workers(2)  # ready means one serves; the second may still be booting on a busy machine
     children = d.descendants()
     names = " ".join(" ".join(p.cmdline()) for p in children)
     assert "zserve.broker.broker" in names and "zserve.stages.engine" in names and "gunicorn" in names

@@ -15,7 +15,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zserve import payload
-from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, answer_of
+from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, Waiter, answer_of
 from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
 from zserve.client.sync import _AUTH_FAILED, endpoint_from_config, submits_messages
 from zserve.errors import BrokerUnavailable, ZserveError
@@ -106,18 +106,38 @@ class AsyncClient:
         ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
         the raw output. ``cost``: what the item costs, for a model batched by cost (0: ``cost_of``'s, if
         any). Cancelling the awaiting task cancels the request in the broker."""
+        future = asyncio.get_running_loop().create_future()
+        req_id = self.start(model, body, _FutureWaiter(future), timeout_ms=timeout_ms, decoded=decoded, cost=cost)
+        try:
+            reply, reply_frames = await future
+        except asyncio.CancelledError:
+            self.cancel(req_id)
+            raise
+        return answer_of(reply, reply_frames)
+
+    def start(
+        self,
+        model: str,
+        body: Any,
+        waiter: Waiter,
+        *,
+        timeout_ms: int | None = None,
+        decoded: bool = False,
+        cost: int = 0,
+    ) -> int:
+        """Send one request whose answer goes to ``waiter`` (its ``reply`` or ``fail``, called once, in this
+        loop) instead of a future: for a server that answers many requests per event-loop turn without a
+        task or a future each (the frontends' fast HTTP path). Raises ``PayloadError`` for a body that
+        cannot travel. Returns the request's id, for ``cancel``. Options as for ``infer``."""
         frames = payload.encode(body)
         if decoded and not cost and self._cost_of:
             cost_fn = self._cost_of.get(model)
             cost = cost_fn(body) if cost_fn is not None else 0
-        future = asyncio.get_running_loop().create_future()
-        req_id = self._start(model, frames, timeout_ms, decoded, False, _FutureWaiter(future), cost)
-        try:
-            reply, reply_frames = await future
-        except asyncio.CancelledError:
-            self._cancel(req_id)
-            raise
-        return answer_of(reply, reply_frames)
+        return self._start(model, frames, timeout_ms, decoded, False, waiter, cost)
+
+    def cancel(self, req_id: int) -> None:
+        """Forget a request started with ``start`` (its waiter is not called) and cancel it in the broker."""
+        self._cancel(req_id)
 
     async def generate(
         self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
