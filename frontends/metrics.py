@@ -6,6 +6,8 @@ worker writes its samples there and ``/metrics``, served by any worker, aggregat
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import os
 from collections.abc import Iterator
 
@@ -132,23 +134,74 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ModelMetrics:
-    """The per-request metrics of one model, with label children resolved once (labels() costs a lock and
-    a dict lookup per call)."""
+    """The per-request metrics of one model. ``answered`` only counts in memory (~0.5 us); the counts reach
+    prometheus' multiprocess files in one ``flush`` per event-loop turn, scheduled by the first answer of
+    the turn. Each write there takes a lock and an mmap store: five per request cost 4.4 us, a fifth of the
+    fast HTTP path's CPU per request, and a turn answers a whole batch."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.batch_size = BATCH_SIZE.labels(model)
         self.latency = LATENCY.labels(model)
+        for child in (self.batch_size, self.latency):  # what _add_observations writes to
+            if not (hasattr(child, "_buckets") and hasattr(child, "_sum") and hasattr(child, "_upper_bounds")):
+                raise RuntimeError("this prometheus_client's Histogram has no _buckets/_sum/_upper_bounds")
         self._codes: dict[int, Counter] = {}
+        self._counts: dict[int, int] = {}
+        self._latency = _Observations(self.latency._upper_bounds)
+        self._batch_size = _Observations(self.batch_size._upper_bounds)
+        self._flush_scheduled = False
 
     def answered(self, code: int, latency_s: float, batch_size: int = 0) -> None:
-        counter = self._codes.get(code)
-        if counter is None:
-            counter = self._codes[code] = REQUESTS.labels(self.model, str(code))
-        counter.inc()
-        self.latency.observe(latency_s)
+        self._counts[code] = self._counts.get(code, 0) + 1
+        self._latency.add(latency_s)
         if batch_size:
-            self.batch_size.observe(batch_size)
+            self._batch_size.add(batch_size)
+        if not self._flush_scheduled:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no event loop (a script, a test): write now
+                return self.flush()
+            self._flush_scheduled = True
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        counts, self._counts = self._counts, {}
+        for code, n in counts.items():
+            counter = self._codes.get(code)
+            if counter is None:
+                counter = self._codes[code] = REQUESTS.labels(self.model, str(code))
+            counter.inc(n)
+        self._latency.write_to(self.latency)
+        self._batch_size.write_to(self.batch_size)
+
+
+class _Observations:
+    """Observations of one histogram counted per bucket, written out as one increment per bucket."""
+
+    def __init__(self, upper_bounds: list[float]) -> None:
+        self.bounds = list(upper_bounds)  # ascending, +Inf last
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self.n = 0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value, as observe()
+        self.total += value
+        self.n += 1
+
+    def write_to(self, child: Histogram) -> None:
+        """What ``child.observe(v)`` for every value added would have written. Histogram has no public way
+        to add many observations, so this uses its bucket and sum values (checked in ModelMetrics)."""
+        if not self.n:
+            return
+        child._sum.inc(self.total)
+        for i, n in enumerate(self.counts):
+            if n:
+                child._buckets[i].inc(n)
+                self.counts[i] = 0
+        self.total = 0.0
+        self.n = 0
 
 
 def render(report: HealthReport | None) -> bytes:

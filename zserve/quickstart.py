@@ -93,7 +93,7 @@ def serve_config(
     name: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    workers: int = 2,
+    workers: int = 0,
     engines: int = 1,
     threads: int | None = None,
     max_batch_size: int = 32,

@@ -16,6 +16,13 @@ def test_the_default_deployment_parses():
     assert config.frontends.host == "127.0.0.1" and config.frontends.port == 8000
 
 
+@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (3, 1), (16, 8), (None, 1)])
+def test_frontend_workers_default_to_half_the_cores(monkeypatch, cores, workers):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert parse_config(MODEL).frontends.workers == workers
+    assert parse_config("[frontends]\nworkers = 3\n" + MODEL).frontends.workers == 3
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -24,6 +31,7 @@ def test_the_default_deployment_parses():
         ("[frontend]\nworkers = 2\n" + MODEL, "unknown field `frontend`"),
         ("[frontends]\nport = 70000\n" + MODEL, "frontends.port: Expected `int` <= 65535"),
         ("[frontends]\nworkers = 'two'\n" + MODEL, "frontends.workers: Expected `int`, got `str`"),
+        ("[frontends]\nworkers = -1\n" + MODEL, "frontends.workers: Expected `int` >= 0"),
         ('[[models]]\nname = "m"\nhandler = "no_colon"\n', "handler 'no_colon'"),
         ("", "at least one [[models]] table"),
         (MODEL + MODEL, "model names must be unique: m"),
