@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import psutil
@@ -97,6 +98,59 @@ def raw_client(endpoint: str, items: int, window: int, seconds: float, results: 
     results.put((ok, bad, time.monotonic() - started))
 
 
+def measure(workers: int, clients: int, items: int, window: int, seconds: float) -> dict[str, Any]:
+    """One run: the broker's items/s and CPU, with ``workers`` no-op workers and ``clients`` raw clients each
+    keeping ``window`` Submits of ``items`` items in flight."""
+    run_dir = Path(tempfile.mkdtemp(prefix="zs-cap-"))
+    endpoints = {n: f"ipc://{run_dir}/{n}.sock" for n in ("client", "work", "out")}
+    config = {
+        "models": [{"name": MODEL, "handler": "x:Y", "max_batch_size": items, "max_wait_ms": 1.0, "max_queue": 1 << 20}]
+    }
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "zserve.broker.broker", "--config-json", json.dumps(config)]
+        + [f"--{name}={endpoint}" for name, endpoint in endpoints.items()],
+        stderr=subprocess.DEVNULL,
+    )
+    noop = [
+        mp.Process(target=noop_worker, args=(endpoints["work"], endpoints["out"], f"noop-{i}", 4), daemon=True)
+        for i in range(workers)
+    ]
+    results: mp.Queue = mp.Queue()
+    loads = [
+        mp.Process(target=raw_client, args=(endpoints["client"], items, window, seconds, results))
+        for _ in range(clients)
+    ]
+    try:
+        for w in noop:
+            w.start()
+        _wait_for_workers(endpoints["client"], workers)
+        proc = psutil.Process(broker.pid)
+        cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        for c in loads:
+            c.start()
+        outcomes = [results.get(timeout=seconds + 60) for _ in loads]
+        cpu_s, wall_s = sum(proc.cpu_times()[:2]) - cpu0, time.monotonic() - t0
+    finally:
+        for p in noop + loads:
+            p.terminate()
+        broker.terminate()
+        broker.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    ok = sum(o[0] for o in outcomes)
+    return {
+        "workers": workers,
+        "clients": clients,
+        "items_per_message": items,
+        "window": window,
+        "answered": ok,
+        "items_per_s": sum(o[0] / o[2] for o in outcomes),
+        "errors": sum(o[1] for o in outcomes),
+        "seconds": seconds,
+        "broker_cores": cpu_s / wall_s,
+        "broker_us_per_item": cpu_s / max(ok, 1) * 1e6,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
@@ -106,65 +160,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--json", default="bench/results/broker-capacity.json")
     args = parser.parse_args()
-
-    run_dir = Path(tempfile.mkdtemp(prefix="zs-cap-"))
-    endpoints = {n: f"ipc://{run_dir}/{n}.sock" for n in ("client", "work", "out")}
-    config = {
-        "models": [
-            {"name": MODEL, "handler": "x:Y", "max_batch_size": args.items, "max_wait_ms": 1.0, "max_queue": 1 << 20}
-        ]
-    }
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "zserve.broker.broker", "--config-json", json.dumps(config)]
-        + [f"--{name}={endpoint}" for name, endpoint in endpoints.items()],
-        stderr=subprocess.DEVNULL,
-    )
-    workers = [
-        mp.Process(target=noop_worker, args=(endpoints["work"], endpoints["out"], f"noop-{i}", 4), daemon=True)
-        for i in range(args.workers)
-    ]
-    results: mp.Queue = mp.Queue()
-    clients = [
-        mp.Process(target=raw_client, args=(endpoints["client"], args.items, args.window, args.seconds, results))
-        for _ in range(args.clients)
-    ]
-    try:
-        for w in workers:
-            w.start()
-        _wait_for_workers(endpoints["client"], args.workers)
-        proc = psutil.Process(broker.pid)
-        cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
-        for c in clients:
-            c.start()
-        outcomes = [results.get(timeout=args.seconds + 60) for _ in clients]
-        cpu_s, wall_s = sum(proc.cpu_times()[:2]) - cpu0, time.monotonic() - t0
-    finally:
-        for p in workers + clients:
-            p.terminate()
-        broker.terminate()
-        broker.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    ok = sum(o[0] for o in outcomes)
-    bad = sum(o[1] for o in outcomes)
-    rate = sum(o[0] / o[2] for o in outcomes)
-    row = {
-        "workers": args.workers,
-        "clients": args.clients,
-        "items_per_message": args.items,
-        "items_per_s": rate,
-        "errors": bad,
-        "broker_cores": cpu_s / wall_s,
-        "broker_us_per_item": cpu_s / max(ok, 1) * 1e6,
-        "git": _git(),
-    }
+    row = measure(args.workers, args.clients, args.items, args.window, args.seconds) | {"git": _git()}
     print(
-        f"broker capacity: {rate:,.0f} items/s ({ok:,} answered, {bad} errors), broker CPU "
-        f"{row['broker_cores']:.2f} cores = {row['broker_us_per_item']:.2f} us/item; "
+        f"broker capacity: {row['items_per_s']:,.0f} items/s ({row['answered']:,} answered, {row['errors']} errors), "
+        f"broker CPU {row['broker_cores']:.2f} cores = {row['broker_us_per_item']:.2f} us/item; "
         f"{args.workers} no-op workers, {args.clients} clients x {args.window} messages of {args.items} items"
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(row, indent=2))
-    return 0 if bad == 0 else 1
+    return 0 if row["errors"] == 0 else 1
 
 
 def _wait_for_workers(endpoint: str, n: int) -> None:

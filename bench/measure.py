@@ -13,8 +13,10 @@ NAIVE = "naive-http"
 MOSEC = "mosec-http"
 STREAMER = "streamer-http"
 BROKER = "broker-capacity"  # no-op engines, direct clients with many requests in flight (bench/capacity.py)
+# The broker process alone: no-op workers and raw clients replaying coalesced Submits (bench/broker_capacity.py)
+BROKER_ALONE = "broker-alone"
 INPROCESS = "in-process"
-SCENARIOS = (HTTP, DIRECT, NAIVE, MOSEC, STREAMER, BROKER, INPROCESS)
+SCENARIOS = (HTTP, DIRECT, NAIVE, MOSEC, STREAMER, BROKER, BROKER_ALONE, INPROCESS)
 PEERS = (NAIVE, MOSEC, STREAMER)  # the other servers a zserve number is compared with
 
 

@@ -7,6 +7,7 @@
 * mosec-http     the same model behind mosec (Rust HTTP, Python workers, dynamic batching),
 * streamer-http  the same model behind service-streamer's multiprocess Streamer (Flask under gevent),
 * broker-capacity  no-op engines and direct clients with many requests in flight: items/s, broker CPU per item,
+* broker-alone   the broker process with no-op workers and raw clients replaying coalesced Submits: its capacity,
 * in-process     the model's predict called directly on a full batch (the limit),
 
 plus a bare pyzmq DEALER<->ROUTER round trip over ipc. Prints a table and the targets, writes JSON (and a

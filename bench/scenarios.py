@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import broker_capacity
 import capacity
 import loadgen
 import peers
 import zmq_rtt
 from bench_paths import BENCH
 from catalog import ModelPlan, clean_env, thread_env
-from measure import HTTP, INPROCESS, MOSEC, NAIVE, STREAMER, Measurement
+from measure import BROKER_ALONE, HTTP, INPROCESS, MOSEC, NAIVE, STREAMER, Measurement
 from procs import Managed, free_port, naive_up, zserve_up
 from zserve.config import Config
 
@@ -243,10 +244,33 @@ def run_capacity(s: Session) -> None:
     s.add(m, extra + _notes(m))
 
 
+# The broker alone (bench/broker_capacity.py): 4 no-op workers, 2 raw clients x 4 Submits of 256 items.
+ALONE_WORKERS, ALONE_CLIENTS, ALONE_ITEMS, ALONE_WINDOW = 4, 2, 256, 4
+
+
+def run_broker_alone(s: Session) -> None:
+    print(f"starting the broker alone ({ALONE_WORKERS} no-op workers, {ALONE_CLIENTS} raw clients x {ALONE_WINDOW} "
+          f"Submits of {ALONE_ITEMS} items) ...", flush=True)  # fmt: skip
+    row = broker_capacity.measure(ALONE_WORKERS, ALONE_CLIENTS, ALONE_ITEMS, ALONE_WINDOW, s.duration_s)
+    m = Measurement(
+        scenario=BROKER_ALONE,
+        model=broker_capacity.MODEL,
+        concurrency=ALONE_CLIENTS * ALONE_WINDOW * ALONE_ITEMS,
+        qps=row["items_per_s"],
+        p50_ms=0.0,
+        p99_ms=0.0,
+        requests=row["answered"] + row["errors"],
+        errors=row["errors"],
+        duration_s=row["seconds"],
+        detail=row,
+    )
+    s.add(m, f"  (broker {row['broker_us_per_item']:.2f} us CPU/item, {row['broker_cores']:.2f} cores)")
+
+
 # --scenarios keys, in the order they run.
 RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY = "rtt", "inprocess", "http", "direct", "naive"
-MOSEC_KEY, STREAMER_KEY, BROKER_KEY = "mosec", "streamer", "broker"
-ALL = (RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY, MOSEC_KEY, STREAMER_KEY, BROKER_KEY)
+MOSEC_KEY, STREAMER_KEY, BROKER_KEY, BROKER_ALONE_KEY = "mosec", "streamer", "broker", "broker-alone"
+ALL = (RTT_KEY, INPROCESS_KEY, HTTP_KEY, DIRECT_KEY, NAIVE_KEY, MOSEC_KEY, STREAMER_KEY, BROKER_KEY, BROKER_ALONE_KEY)
 
 
 def run_all(s: Session) -> None:
@@ -264,3 +288,5 @@ def run_all(s: Session) -> None:
         run_peer(s, STREAMER)
     if BROKER_KEY in s.scenarios:
         run_capacity(s)
+    if BROKER_ALONE_KEY in s.scenarios:
+        run_broker_alone(s)
