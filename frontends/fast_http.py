@@ -56,32 +56,37 @@ class _Clock:
 _Clock.refresh()
 
 
-def response(status: int, body: bytes, extra: bytes = b"", close: bool = False) -> bytes:
+CLOSE = b"Connection: close\r\n"
+KEEP_ALIVE = b"Connection: keep-alive\r\n"  # HTTP/1.0 clients that asked for it (1.1 keeps alive by default)
+
+
+def response(status: int, body: bytes, extra: bytes = b"", connection: bytes = b"") -> bytes:
     """A whole JSON response: status line, headers (``extra``: more header lines, each ending CRLF), body."""
     head = b"HTTP/1.1 %d %s\r\nServer: zserve\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n"
-    closing = b"Connection: close\r\n" if close else b""
-    return head % (status, _REASONS.get(status, b"Unknown"), _Clock.line, len(body)) + extra + closing + b"\r\n" + body
+    head %= (status, _REASONS.get(status, b"Unknown"), _Clock.line, len(body))
+    return head + extra + connection + b"\r\n" + body
 
 
-def error_response(status: int, type_name: str, message: str, field: str = "", close: bool = False) -> bytes:
+def error_response(status: int, type_name: str, message: str, field: str = "", connection: bytes = b"") -> bytes:
     """An error in the native routes' shape (``resources.set_error``'s), 503s with Retry-After."""
     extra = b"Retry-After: 1\r\n" if status == 503 else b""
     if status == 401:
         extra += b"WWW-Authenticate: Bearer\r\n"
-    return response(status, error_body(type_name, message, field), extra, close)
+    return response(status, error_body(type_name, message, field), extra, connection)
 
 
 class _Request:
     """One predict request of a connection, and its waiter in the client's pending table."""
 
-    __slots__ = ("auth_header", "chunks", "conn", "content_type", "handler", "keep_alive", "name", "out", "req_id",
-                 "size", "started")  # fmt: skip
+    __slots__ = ("auth_header", "chunks", "conn", "content_type", "handler", "http10", "keep_alive", "name", "out",
+                 "req_id", "size", "started")  # fmt: skip
 
     def __init__(self, conn: FastHttpProtocol, name: str, handler: Model | None, keep_alive: bool) -> None:
         self.conn = conn
         self.name = name
         self.handler = handler
         self.keep_alive = keep_alive
+        self.http10 = False
         self.started = conn.loop.time()
         self.chunks: list[bytes] = []
         self.size = 0
@@ -101,34 +106,36 @@ class _Request:
             answer = answer_of(reply, frames)
         except Exception as exc:
             return self.fail(exc)
-        close = self._last()
+        connection = self.connection()
         try:
             body = PredictRoute.response_body(self.handler, answer)
         except Exception as exc:
             log.exception("encode_response failed for model %s", self.name)
             message = f"encode_response raised {type(exc).__name__}: {exc}"
-            return self.answer(500, error_response(500, "model_error", message, close=close))
+            return self.answer(500, error_response(500, "model_error", message, connection=connection))
         extra = b"X-Zserve-Batch-Size: %d\r\nX-Zserve-Queue-Ms: %.3f\r\n" % (answer.batch_size, answer.queue_ms)
-        self.answer(200, response(200, body, extra, close), answer.batch_size)
+        self.answer(200, response(200, body, extra, connection), answer.batch_size)
 
     def fail(self, error: BaseException) -> None:
         self.req_id = None
-        close = self._last()
+        connection = self.connection()
         known = request_error(error)
         if known is None:  # not the client's doing: a bug, answered and logged, never a dropped connection
             log.error("request to model %s failed", self.name, exc_info=error)
-            self.answer(500, error_response(500, "internal", f"{type(error).__name__}: {error}", close=close))
+            self.answer(500, error_response(500, "internal", f"{type(error).__name__}: {error}", connection=connection))
         else:
-            out = error_response(known.status, known.type_name, known.message, known.field, close)
+            out = error_response(known.status, known.type_name, known.message, known.field, connection)
             self.answer(known.status, out)
 
-    def _last(self) -> bool:
-        """Whether the connection closes after this answer: the client asked, or the worker is stopping and
-        nothing else waits on the connection."""
+    def connection(self) -> bytes:
+        """The answer's Connection header: close when the client asked, or when the worker is stopping and
+        nothing else waits on the connection; keep-alive for an HTTP/1.0 client that asked for it."""
         conn = self.conn
         if not conn.worker.alive and len(conn.queue) == 1:
             self.keep_alive = False
-        return not self.keep_alive
+        if not self.keep_alive:
+            return CLOSE
+        return KEEP_ALIVE if self.http10 else b""
 
     def answer(self, status: int, out: bytes, batch_size: int = 0) -> None:
         self.out = out
@@ -161,6 +168,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self._handover = False  # the message being parsed is the ASGI app's
         self.queue: deque[_Request] = deque()  # arrival order = answer order
         self._closed = False
+        self._closing = False  # closed by us: the transport flushes, then connection_lost
         self._reading = True
         self._writing = True
         self.seen = False  # bytes arrived since the last sweep
@@ -244,6 +252,7 @@ class FastHttpProtocol(asyncio.Protocol):
             return False
         self._raw = None
         request = self._current = _Request(self, name, handler, parser.should_keep_alive)
+        request.http10 = parser.http_version == (1, 0)
         request.content_type = (parser.get_header(b"content-type") or b"").decode("latin-1")
         if self.auth is not None:
             header = parser.get_header(b"authorization")
@@ -276,7 +285,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self._pause_reading()
         request.keep_alive = False
         message = f"body is over {self.route.max_body_bytes} bytes"
-        request.answer(413, error_response(413, "payload_too_large", message, close=True))
+        request.answer(413, error_response(413, "payload_too_large", message, connection=CLOSE))
 
     def _submit(self, request: _Request) -> None:
         self.queue.append(request)
@@ -284,7 +293,7 @@ class FastHttpProtocol(asyncio.Protocol):
         if self.auth is not None:
             refusal = self.auth.refusal(f"/v1/models/{request.name}/predict", request.auth_header)
             if refusal is not None:
-                out = error_response(401, "invalid_api_key", refusal, close=not request.keep_alive)
+                out = error_response(401, "invalid_api_key", refusal, connection=request.connection())
                 return request.answer(401, out)
         try:
             raw = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
@@ -299,7 +308,7 @@ class FastHttpProtocol(asyncio.Protocol):
     def write_answered(self) -> None:
         """Write every answered request at the head of the queue (answers leave in arrival order)."""
         queue = self.queue
-        if self._closed or not queue or queue[0].out is None:
+        if self._closed or self._closing or not queue or queue[0].out is None:
             return
         transport = self.transport
         while queue and queue[0].out is not None:
@@ -329,7 +338,7 @@ class FastHttpProtocol(asyncio.Protocol):
             log.error("fast HTTP path failed on a request", exc_info=exc)
             status, type_name, message = 500, "internal", f"{type(exc).__name__}: {exc}"
         request = _Request(self, "", None, keep_alive=False)
-        request.out = error_response(status, type_name, message, close=True)
+        request.out = error_response(status, type_name, message, connection=CLOSE)
         self.queue.append(request)
         self._pause_reading()
         self.write_answered()
@@ -362,13 +371,14 @@ class FastHttpProtocol(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _close(self) -> None:
+        self._closing = True
         self.transport.close()  # connection_lost follows, once what was written is flushed
 
     def sweep(self, interval_s: float, keepalive_s: float) -> None:
         """Close this connection if it has been idle past ``keepalive_s``. Not sooner when the worker stops:
         a client may be sending on it right now (closing would fail that request); a request that arrives
         then is answered with ``Connection: close``, as gunicorn's own protocol does."""
-        if self.queue or self._closed:
+        if self.queue or self._closed or self._closing:
             return
         if self.seen:
             self.seen = False

@@ -181,7 +181,11 @@ def test_chunked_bodies_expect_continue_and_http10(deployment):
         conn.close()
     conn = Conn(deployment)
     try:
-        conn.send(predict("slow", b'{"c": 3}').replace(b"HTTP/1.1", b"HTTP/1.0"))
+        http10 = predict("slow", b'{"c": 3}').replace(b"HTTP/1.1", b"HTTP/1.0")
+        conn.send(http10.replace(b"Host: t\r\n", b"Host: t\r\nConnection: keep-alive\r\n"))
+        status, headers, _ = conn.response()
+        assert status == 200 and headers["connection"] == "keep-alive"  # HTTP/1.0 keeps alive only when told
+        conn.send(http10)
         status, headers, _ = conn.response()
         assert status == 200 and headers["connection"] == "close" and conn.closed_by_server()
     finally:
