@@ -1,7 +1,8 @@
 """The falcon ASGI app of one frontend worker.
 
-gunicorn runs ``zserve.frontends.app:create_app()`` in each worker process (never ``--preload``): every
-worker builds its own AsyncClient, whose DEALER socket is created lazily inside the worker's event loop.
+gunicorn runs ``zserve.frontends.app:create_frontend()`` in each worker process (never ``--preload``): the
+app plus what its fast HTTP path needs (``fast_worker.py``); granian runs ``create_app()``. Every worker builds
+its own AsyncClient, whose DEALER socket is created lazily inside the worker's event loop.
 The supervisor passes the settings in the environment (ZSERVE_FRONTEND, JSON of FrontendSettings).
 """
 

@@ -1,10 +1,10 @@
-"""The command line of the HTTP server that runs the falcon ASGI app: gunicorn (asgi worker class) or
-granian (a Rust HTTP server), chosen by ``[frontends] server``. Both serve ``create_app()`` once per
-worker process and stop gracefully on SIGTERM within ``graceful_timeout_s``. Under ``zserve up`` gunicorn
-serves a listening socket the supervisor bound (``listen_socket``, passed as ``fd://N``), so a master that
-dies and restarts refuses no connection: they wait in the backlog. granian cannot take an inherited
-socket (no such option; on Linux each of its workers binds its own SO_REUSEPORT socket), so it binds
-``host:port`` itself, as gunicorn does under supervisord."""
+"""The command line of the HTTP server that runs the falcon ASGI app: gunicorn (its asgi worker with zserve's
+fast predict path, ``fast_worker.FastPathWorker``) or granian (a Rust HTTP server), chosen by ``[frontends]
+server``. Both build the app once per worker process and stop gracefully on SIGTERM within
+``graceful_timeout_s``. Under ``zserve up`` gunicorn serves a listening socket the supervisor bound
+(``listen_socket``, passed as ``fd://N``), so a master that dies and restarts refuses no connection: they
+wait in the backlog. granian cannot take an inherited socket (no such option; on Linux each of its workers
+binds its own SO_REUSEPORT socket), so it binds ``host:port`` itself, as gunicorn does under supervisord."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 
 from zserve.config import FrontendsConfig
 
-APP_FACTORY = "zserve.frontends.app:create_app"
 FRONTEND_FACTORY = "zserve.frontends.app:create_frontend"  # the app and the fast path's predict route
 WORKER_CLASS = "zserve.frontends.fast_worker.FastPathWorker"
 GRANIAN_APP_FACTORY = "zserve.frontends.granian_app:create_app"  # + cancel on client hang-up
