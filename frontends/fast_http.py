@@ -20,127 +20,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import Any
 
 import gunicorn_h1c
 from gunicorn.asgi.protocol import ASGIProtocol
 
-from zserve.client.pending import answer_of
-from zserve.frontends.resources import PredictRoute, error_body, request_error
-from zserve.model import Model
-from zserve.protocol import Reply
+from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, PendingRequest, error_response
+from zserve.frontends.resources import PredictRoute
 
 log = logging.getLogger("zserve.frontend")
 
 _PREFIX = b"/v1/models/"
 _SUFFIX = b"/predict"
-# Requests one connection may have waiting for answers (HTTP pipelining) before it is read no further.
+# Requests one connection may have waiting for answers (HTTP pipelining); the rest wait unparsed.
 MAX_PIPELINED = 64
 SWEEP_INTERVAL_S = 0.25
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-
-
-class _Clock:
-    """The Date header's value, refreshed by the sweep (HTTP/1.1 servers with a clock send Date)."""
-
-    line = b""
-
-    @classmethod
-    def refresh(cls) -> None:
-        cls.line = b"Date: " + formatdate(usegmt=True).encode() + b"\r\n"
-
-
-_Clock.refresh()
-
-
-CLOSE = b"Connection: close\r\n"
-KEEP_ALIVE = b"Connection: keep-alive\r\n"  # HTTP/1.0 clients that asked for it (1.1 keeps alive by default)
-
-
-def response(status: int, body: bytes, extra: bytes = b"", connection: bytes = b"") -> bytes:
-    """A whole JSON response: status line, headers (``extra``: more header lines, each ending CRLF), body."""
-    head = b"HTTP/1.1 %d %s\r\nServer: zserve\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n"
-    head %= (status, _REASONS.get(status, b"Unknown"), _Clock.line, len(body))
-    return head + extra + connection + b"\r\n" + body
-
-
-def error_response(status: int, type_name: str, message: str, field: str = "", connection: bytes = b"") -> bytes:
-    """An error in the native routes' shape (``resources.set_error``'s), 503s with Retry-After."""
-    extra = b"Retry-After: 1\r\n" if status == 503 else b""
-    if status == 401:
-        extra += b"WWW-Authenticate: Bearer\r\n"
-    return response(status, error_body(type_name, message, field), extra, connection)
-
-
-class _Request:
-    """One predict request of a connection, and its waiter in the client's pending table."""
-
-    __slots__ = ("auth_header", "chunks", "conn", "content_type", "handler", "http10", "keep_alive", "name", "out",
-                 "req_id", "size", "started")  # fmt: skip
-
-    def __init__(self, conn: FastHttpProtocol, name: str, handler: Model | None, keep_alive: bool) -> None:
-        self.conn = conn
-        self.name = name
-        self.handler = handler
-        self.keep_alive = keep_alive
-        self.http10 = False
-        self.started = conn.loop.time()
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.content_type = ""
-        self.auth_header: str | None = None
-        self.req_id: int | None = None  # while the broker has it
-        self.out: bytes | None = None  # the whole response, once known
-
-    # ---- Waiter (called by the client's pending table) ----
-
-    def chunk(self, text: str) -> None:  # predict requests do not stream
-        pass
-
-    def reply(self, reply: Reply, frames: list[Any]) -> None:
-        self.req_id = None
-        try:
-            answer = answer_of(reply, frames)
-        except Exception as exc:
-            return self.fail(exc)
-        connection = self.connection()
-        try:
-            body = PredictRoute.response_body(self.handler, answer)
-        except Exception as exc:
-            log.exception("encode_response failed for model %s", self.name)
-            message = f"encode_response raised {type(exc).__name__}: {exc}"
-            return self.answer(500, error_response(500, "model_error", message, connection=connection))
-        extra = b"X-Zserve-Batch-Size: %d\r\nX-Zserve-Queue-Ms: %.3f\r\n" % (answer.batch_size, answer.queue_ms)
-        self.answer(200, response(200, body, extra, connection), answer.batch_size)
-
-    def fail(self, error: BaseException) -> None:
-        self.req_id = None
-        connection = self.connection()
-        known = request_error(error)
-        if known is None:  # not the client's doing: a bug, answered and logged, never a dropped connection
-            log.error("request to model %s failed", self.name, exc_info=error)
-            self.answer(500, error_response(500, "internal", f"{type(error).__name__}: {error}", connection=connection))
-        else:
-            out = error_response(known.status, known.type_name, known.message, known.field, connection)
-            self.answer(known.status, out)
-
-    def connection(self) -> bytes:
-        """The answer's Connection header: close when the client asked, or when the worker is stopping and
-        nothing else waits on the connection; keep-alive for an HTTP/1.0 client that asked for it."""
-        conn = self.conn
-        if not conn.worker.alive and len(conn.queue) == 1:
-            self.keep_alive = False
-        if not self.keep_alive:
-            return CLOSE
-        return KEEP_ALIVE if self.http10 else b""
-
-    def answer(self, status: int, out: bytes, batch_size: int = 0) -> None:
-        self.out = out
-        self.conn.route.metrics[self.name].answered(status, self.conn.loop.time() - self.started, batch_size)
-        self.conn.write_answered()
+# After an answer that leaves request bytes unread (413, a malformed request): how long the connection keeps
+# reading and dropping them before it closes. Closing a socket with unread bytes sends a reset, and the
+# client may lose the answer it has not read yet.
+LINGER_S = 2.0
 
 
 class FastHttpProtocol(asyncio.Protocol):
@@ -160,13 +58,20 @@ class FastHttpProtocol(asyncio.Protocol):
             limit_request_line=cfg.limit_request_line or (1 << 20),  # 0 = unlimited in gunicorn's terms
             limit_request_fields=cfg.limit_request_fields,
             limit_request_field_size=cfg.limit_request_field_size,
+            limit_remaining=0,  # the bytes after a message are all kept: pipelined requests are never cut
         )
         self.transport: asyncio.Transport | None = None
-        self._raw: bytearray | None = bytearray()  # the message's bytes until it is known to be ours
-        self._current: _Request | None = None  # the message being parsed, when it is ours
+        self.queue: deque[PendingRequest] = deque()  # arrival order = answer order
+        self._raw: list[bytes] | None = []  # the message's bytes until it is known to be ours
+        self._current: PendingRequest | None = None  # the message being parsed, when it is ours
         self._complete = False
+        self._held: bytes | None = None  # bytes not parsed yet: MAX_PIPELINED requests wait already
+        self._feeding_held = False
         self._handover = False  # the message being parsed is the ASGI app's
-        self.queue: deque[_Request] = deque()  # arrival order = answer order
+        self._handover_scheduled = False
+        self._final = False  # an answer that ends the connection is queued: nothing more is read
+        self._linger = False  # ... and it leaves request bytes unread
+        self._eof = False  # the client shut its side: close once the answers are out
         self._closed = False
         self._closing = False  # closed by us: the transport flushes, then connection_lost
         self._reading = True
@@ -192,6 +97,13 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.route.client.cancel(request.req_id)
         self.queue.clear()
 
+    def eof_received(self) -> bool:
+        """The client shut its writing side: answer what it sent, then close."""
+        self._eof = True
+        if self.queue and not self._closing:
+            return True  # keep the transport open for the answers
+        return False
+
     def pause_writing(self) -> None:
         self._writing = False
         self._pause_reading()
@@ -202,14 +114,22 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.seen = True
+        if self._linger or self._final:
+            return  # a request that will not be answered: dropped
         if self._handover:  # bytes behind a request for the ASGI app, before the handover
-            self._raw += data
-            return
+            self._raw.append(data)
+        elif self._held is not None:
+            self._held += data
+        else:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        parser = self.parser
         while True:
             if self._raw is not None:
-                self._raw += data
+                self._raw.append(data)
             try:
-                self.parser.feed(data)
+                parser.feed(data)
             except Exception as exc:  # gunicorn_h1c's parse errors and limits (ValueErrors), or a bug of ours
                 return self._bad_request(exc)
             if self._handover:
@@ -218,21 +138,33 @@ class FastHttpProtocol(asyncio.Protocol):
                 else:
                     self._pause_reading()  # the answers before it go first
                 return
-            if not self._complete:
+            if not self._complete or self._final:
                 return
             request = self._current
             self._complete = False
             self._current = None
-            truncated = self.parser.remaining_truncated
-            rest = self.parser.remaining()
-            self.parser.reset()
-            self._raw = bytearray()
-            if truncated:  # a pipelined tail past the parser's cap cannot be replayed safely
-                request.keep_alive = False
+            rest = parser.remaining()
+            parser.reset()
+            self._raw = []
             self._submit(request)
-            if not rest or self._closed or not request.keep_alive:
+            if not request.keep_alive:
+                self._final = True  # the client said close: what follows is not read
+            if not rest or self._final or self._closed or self._closing:
+                return
+            if len(self.queue) >= MAX_PIPELINED:
+                self._held = rest
+                self._pause_reading()
                 return
             data = rest
+
+    def _feed_held(self) -> None:
+        self._feeding_held = False
+        held, self._held = self._held, None
+        if held is None or self._closed or self._closing:
+            return
+        self._feed(held)
+        if len(self.queue) < MAX_PIPELINED // 2:
+            self._resume_reading()
 
     # ---- parser callbacks ----
 
@@ -251,17 +183,20 @@ class FastHttpProtocol(asyncio.Protocol):
             self._handover = True
             return False
         self._raw = None
-        request = self._current = _Request(self, name, handler, parser.should_keep_alive)
+        request = self._current = PendingRequest(self, name, handler, parser.should_keep_alive)
         request.http10 = parser.http_version == (1, 0)
         request.content_type = (parser.get_header(b"content-type") or b"").decode("latin-1")
         if self.auth is not None:
             header = parser.get_header(b"authorization")
             request.auth_header = None if header is None else header.decode("latin-1")
-        length = parser.content_length  # None: chunked
+        length = parser.content_length  # None: chunked, or no body
         if length is not None and length > self.route.max_body_bytes:
             self._too_large(request)
-        elif (parser.get_header(b"expect") or b"").lower() == b"100-continue" and not self.queue:
-            self.transport.write(_CONTINUE)
+        elif (parser.get_header(b"expect") or b"").lower() == b"100-continue" and not request.http10:
+            if self.queue:
+                request.wants_continue = True  # once the answers before it are out
+            else:
+                self.transport.write(CONTINUE)
         return False
 
     def _on_body(self, chunk: bytes) -> None:
@@ -278,23 +213,22 @@ class FastHttpProtocol(asyncio.Protocol):
 
     # ---- requests ----
 
-    def _too_large(self, request: _Request) -> None:
-        """Answer 413 at once and close: the rest of the body is never read (nor parsed)."""
+    def _too_large(self, request: PendingRequest) -> None:
+        """Answer 413 at once; the rest of the body is never parsed, and the connection ends."""
         self._current = None
+        self._final = self._linger = True
         self.queue.append(request)
-        self._pause_reading()
         request.keep_alive = False
         message = f"body is over {self.route.max_body_bytes} bytes"
         request.answer(413, error_response(413, "payload_too_large", message, connection=CLOSE))
 
-    def _submit(self, request: _Request) -> None:
+    def _submit(self, request: PendingRequest) -> None:
         self.queue.append(request)
         route = self.route
         if self.auth is not None:
             refusal = self.auth.refusal(f"/v1/models/{request.name}/predict", request.auth_header)
             if refusal is not None:
-                out = error_response(401, "invalid_api_key", refusal, connection=request.connection())
-                return request.answer(401, out)
+                return request.deliver(error_response(401, "invalid_api_key", refusal, connection=request.connection()))
         try:
             raw = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
             request.chunks = []
@@ -302,31 +236,9 @@ class FastHttpProtocol(asyncio.Protocol):
             request.req_id = route.client.start(request.name, item, request, decoded=True)
         except Exception as exc:
             return request.fail(exc)
-        if len(self.queue) >= MAX_PIPELINED:
-            self._pause_reading()
-
-    def write_answered(self) -> None:
-        """Write every answered request at the head of the queue (answers leave in arrival order)."""
-        queue = self.queue
-        if self._closed or self._closing or not queue or queue[0].out is None:
-            return
-        transport = self.transport
-        while queue and queue[0].out is not None:
-            request = queue.popleft()
-            transport.write(request.out)
-            self.worker.nr += 1
-            if not request.keep_alive:
-                return self._close()
-        if not queue:
-            if self._handover:
-                self._hand_over()
-            else:
-                self._resume_reading()
-        elif len(queue) < MAX_PIPELINED // 2:
-            self._resume_reading()
 
     def _bad_request(self, exc: Exception) -> None:
-        """Answer a request that cannot be parsed (after those before it) and close the connection."""
+        """Answer a request that cannot be parsed (after those before it), then end the connection."""
         message = f"malformed HTTP request: {exc}"
         if isinstance(exc, gunicorn_h1c.LimitRequestLine):
             status, type_name = 414, "uri_too_long"
@@ -337,17 +249,52 @@ class FastHttpProtocol(asyncio.Protocol):
         else:
             log.error("fast HTTP path failed on a request", exc_info=exc)
             status, type_name, message = 500, "internal", f"{type(exc).__name__}: {exc}"
-        request = _Request(self, "", None, keep_alive=False)
-        request.out = error_response(status, type_name, message, connection=CLOSE)
+        self._final = self._linger = True
+        request = PendingRequest(self, "", None, keep_alive=False)
         self.queue.append(request)
-        self._pause_reading()
-        self.write_answered()
+        request.deliver(error_response(status, type_name, message, connection=CLOSE))
+
+    def write_answered(self) -> None:
+        """Write every answered request at the head of the queue (answers leave in arrival order)."""
+        queue = self.queue
+        if self._closed or self._closing or not queue or queue[0].out is None:
+            return
+        transport = self.transport
+        worker = self.worker
+        while queue and queue[0].out is not None:
+            request = queue.popleft()
+            transport.write(request.out)
+            worker.nr += 1
+            if worker.nr >= worker.max_requests and worker.alive:  # gunicorn's --max-requests
+                log.info("Autorestarting worker after current request.")
+                worker.alive = False
+            if not request.keep_alive:
+                return self._end()
+        if queue:
+            if len(queue) < MAX_PIPELINED // 2:
+                self._resume_reading()
+            return
+        if self._handover:
+            if not self._handover_scheduled:
+                # Not from inside the client's reply dispatch: gunicorn's protocol starts on the next turn.
+                self._handover_scheduled = True
+                self.loop.call_soon(self._hand_over)
+        elif self._eof:
+            self._end()
+        else:
+            current = self._current
+            if current is not None and current.wants_continue:
+                current.wants_continue = False
+                transport.write(CONTINUE)
+            self._resume_reading()
 
     # ---- connection ----
 
     def _hand_over(self) -> None:
         """Give the connection, with the unanswered request's bytes, to gunicorn's ASGI protocol."""
-        raw, self._raw = bytes(self._raw or b""), None
+        if self._closed or self._closing:
+            return
+        raw, self._raw = b"".join(self._raw or ()), None
         self._closed = True
         self.connections.open.discard(self)
         self.worker.nr_conns -= 1  # the ASGI protocol counts it again
@@ -357,6 +304,8 @@ class FastHttpProtocol(asyncio.Protocol):
         protocol = ASGIProtocol(self.worker)
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
+        if not self._writing:
+            protocol.pause_writing()  # the transport will say when to resume, to the new protocol
         if raw:
             protocol.data_received(raw)
 
@@ -366,13 +315,31 @@ class FastHttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _resume_reading(self) -> None:
-        if not self._reading and self._writing and not self._closed and not self._handover:
-            self._reading = True
-            self.transport.resume_reading()
+        if self._reading or not self._writing or self._closed or self._closing or self._handover or self._final:
+            return
+        if self._held is not None:
+            if not self._feeding_held:
+                self._feeding_held = True
+                self.loop.call_soon(self._feed_held)
+            return
+        self._reading = True
+        self.transport.resume_reading()
 
-    def _close(self) -> None:
+    def _end(self) -> None:
+        """Close after the last answer; with request bytes left unread, read and drop them a while first."""
         self._closing = True
-        self.transport.close()  # connection_lost follows, once what was written is flushed
+        transport = self.transport
+        if not self._linger or not transport.can_write_eof():
+            return transport.close()  # connection_lost follows, once what was written is flushed
+        transport.write_eof()
+        if not self._reading:
+            self._reading = True
+            transport.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
+
+    def abort(self) -> None:
+        self._closing = True
+        self.transport.abort()
 
     def sweep(self, interval_s: float, keepalive_s: float) -> None:
         """Close this connection if it has been idle past ``keepalive_s``. Not sooner when the worker stops:
@@ -386,7 +353,7 @@ class FastHttpProtocol(asyncio.Protocol):
         else:
             self.idle_s += interval_s
         if self.idle_s >= keepalive_s:
-            self._close()
+            self._end()
 
 
 class FastConnections:
@@ -402,6 +369,6 @@ class FastConnections:
         keepalive_s = float(self.worker.cfg.keepalive)
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            _Clock.refresh()
+            DateHeader.refresh()
             for conn in list(self.open):
                 conn.sweep(SWEEP_INTERVAL_S, keepalive_s)

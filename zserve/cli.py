@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", default=None, help="the model's name in routes (default: the folder's name)")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    serve.add_argument("--workers", type=int, default=2, help="frontend worker processes (default: %(default)s)")
+    serve.add_argument("--workers", type=int, default=0,
+                       help="frontend worker processes (default: 0 = half the CPU cores, at least 1)")  # fmt: skip
     serve.add_argument("--engines", type=int, default=1, help="engine processes (default: %(default)s)")
     serve.add_argument("--threads", type=int, default=None, help="torch threads per engine (default: cores / engines)")
     serve.add_argument("--max-batch-size", type=int, default=32, help="(default: %(default)s)")

@@ -90,6 +90,14 @@ def check_tcp_endpoint(key: str, endpoint: str, insecure: bool, any_host: bool) 
         )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, as a container's cpuset sets it), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class FrontendsConfig(_Section, kw_only=True):
     # HTTP worker processes; 0 = half the CPU cores, at least 1: the other half runs the broker, stages and
     # engines. On this 2-core VM one worker answered echo at c64 over HTTP 1.15x faster than two, p99 2.6 ms
@@ -105,7 +113,7 @@ class FrontendsConfig(_Section, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.workers == 0:
-            self.workers = max(1, (os.cpu_count() or 2) // 2)
+            self.workers = max(1, usable_cores() // 2)
 
 
 class ModelConfig(_Section, kw_only=True):

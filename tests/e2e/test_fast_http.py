@@ -124,6 +124,28 @@ def test_pipelined_requests_are_answered_in_order_across_the_handover(deployment
         conn.close()
 
 
+def test_a_long_pipeline_is_answered_whole_and_in_order(deployment):
+    conn = Conn(deployment)  # past MAX_PIPELINED (64) and past one read: the rest waits unparsed, none is lost
+    try:
+        conn.send(b"".join(predict("slow", b'{"i": %d, "pad": "%s"}' % (i, b"x" * 200)) for i in range(500)))
+        for i in range(500):
+            status, _, body = conn.response()
+            assert status == 200 and json.loads(body)["echo"]["i"] == i
+    finally:
+        conn.close()
+
+
+def test_a_client_that_shuts_its_side_still_gets_its_answers(deployment):
+    conn = Conn(deployment)
+    try:
+        conn.send(predict("slow", b'{"e": 1}') + predict("slow", b'{"e": 2}'))
+        conn.sock.shutdown(socket.SHUT_WR)
+        assert [json.loads(conn.response()[2])["echo"] for _ in range(2)] == [{"e": 1}, {"e": 2}]
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+
+
 def test_errors_match_the_app_and_bad_items_fail_alone(deployment):
     conn = Conn(deployment)
     try:
@@ -149,6 +171,17 @@ def test_a_body_over_the_limit_is_refused_before_it_is_sent(deployment):
     try:
         conn.send(b"POST /v1/models/slow/predict HTTP/1.1\r\nHost: t\r\nContent-Length: 10000000\r\n\r\n")
         status, headers, body = conn.response()  # no body was sent: the answer cannot have waited for it
+        assert status == 413 and json.loads(body)["error"]["type"] == "payload_too_large"
+        assert headers["connection"] == "close" and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_limit_that_is_sent_anyway_still_gets_its_413(deployment):
+    conn = Conn(deployment)  # the server drops the rest of the body rather than reset the connection under it
+    try:
+        conn.send(predict("slow", b'{"big": "%s"}' % (b"x" * 300_000)))
+        status, headers, body = conn.response()
         assert status == 413 and json.loads(body)["error"]["type"] == "payload_too_large"
         assert headers["connection"] == "close" and conn.closed_by_server()
     finally:
