@@ -9,6 +9,12 @@ sys.path.insert(0, str(SUPPORT))
 sys.path.insert(0, str(SUPPORT.parent))  # tests/cluster.py
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    from deployment import stop_leftovers
+
+    stop_leftovers()
+
+
 # Tiny models of each batch task (tests/support/tinymodels.py), built once per run.
 @pytest.fixture(scope="session")
 def tiny_classifier(tmp_path_factory) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -20,6 +21,22 @@ from zserve.transport import free_tcp_port
 free_port = free_tcp_port
 
 
+_STARTED: list[Deployment] = []
+
+
+def stop_leftovers() -> None:
+    """Stop every deployment a test started and did not stop (it failed before its ``stop``): ``zserve up``
+    outlives the test run otherwise, and its processes would load the machine for whatever runs next."""
+    for d in _STARTED:
+        if d.proc.poll() is None:
+            try:
+                d.stop(timeout_s=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for p in [*d.descendants(), psutil.Process(d.proc.pid)]:
+                        p.kill()
+
+
 class Deployment:
     def __init__(self, config_path: Path | None, *args: str, command: tuple[str, ...] = ()) -> None:
         """``zserve up -c config_path *args``, or ``zserve *command`` (e.g. ``("serve", folder)``)."""
@@ -36,6 +53,7 @@ class Deployment:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        _STARTED.append(self)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
