@@ -71,7 +71,6 @@ class FastHttpProtocol(asyncio.Protocol):
         self._handover_scheduled = False
         self._final = False  # an answer that ends the connection is queued: nothing more is read
         self._linger = False  # ... and it leaves request bytes unread
-        self._eof = False  # the client shut its side: close once the answers are out
         self._closed = False
         self._closing = False  # closed by us: the transport flushes, then connection_lost
         self._reading = True
@@ -80,6 +79,8 @@ class FastHttpProtocol(asyncio.Protocol):
         self.idle_s = 0.0
 
     # ---- asyncio ----
+    # No eof_received: a client that shuts its side has hung up, as far as HTTP goes (clients do not half-close),
+    # and what it still waits for is cancelled in the broker (asyncio's default closes the transport).
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -96,13 +97,6 @@ class FastHttpProtocol(asyncio.Protocol):
             if request.req_id is not None:
                 self.route.client.cancel(request.req_id)
         self.queue.clear()
-
-    def eof_received(self) -> bool:
-        """The client shut its writing side: answer what it sent, then close."""
-        self._eof = True
-        if self.queue and not self._closing:
-            return True  # keep the transport open for the answers
-        return False
 
     def pause_writing(self) -> None:
         self._writing = False
@@ -279,8 +273,6 @@ class FastHttpProtocol(asyncio.Protocol):
                 # Not from inside the client's reply dispatch: gunicorn's protocol starts on the next turn.
                 self._handover_scheduled = True
                 self.loop.call_soon(self._hand_over)
-        elif self._eof:
-            self._end()
         else:
             current = self._current
             if current is not None and current.wants_continue:
