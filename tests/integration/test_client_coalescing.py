@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from zserve import AsyncClient, BadRequest, Client
+from zserve import AsyncClient, BadRequest, Client, ZserveError
+from zserve.client.pending import answer_of
 from zserve.frames import pack, unpack
 from zserve.protocol import Codec, Replies, Reply, Status, Submits
 
@@ -111,3 +112,53 @@ def test_sync_client_coalesces_submits_from_many_threads(broker):
     assert sorted((v["k"], v["i"]) for v in values) == [(k, i) for k in range(10) for i in range(50)]
     assert sum(broker.sizes) == 500
     assert len(broker.sizes) < 500 and max(broker.sizes) > 1  # several requests per message
+
+
+class Collect:
+    """A waiter for AsyncClient.start that records what it is told."""
+
+    def __init__(self, done: asyncio.Event, expected: int) -> None:
+        self.got: list = []
+        self.done, self.expected = done, expected
+
+    def chunk(self, text: str) -> None:
+        raise AssertionError("predict requests do not stream")
+
+    def reply(self, reply: Reply, frames: list) -> None:
+        try:
+            self.got.append(("reply", reply.req_id, answer_of(reply, frames).value))
+        except ZserveError as exc:  # a reply that is an error (what the fast HTTP path's waiter does too)
+            return self.fail(exc)
+        self._check()
+
+    def fail(self, error: Exception) -> None:
+        self.got.append(("fail", type(error).__name__, getattr(error, "field", "")))
+        self._check()
+
+    def _check(self) -> None:
+        if len(self.got) == self.expected:
+            self.done.set()
+
+
+def test_async_client_start_answers_waiters_and_a_cancelled_request_is_not_answered(broker):
+    async def main() -> tuple[list, list[int], list[int]]:
+        client = AsyncClient(broker.endpoint)
+        try:
+            done = asyncio.Event()
+            waiter = Collect(done, expected=4)
+            ids = [client.start("echo", {"i": i}, waiter) for i in range(3)]
+            ids.append(client.start("bad", {"i": -1}, waiter))  # refused: fails alone
+            cancelled = client.start("echo", {"i": 99}, Collect(asyncio.Event(), expected=1))
+            client.cancel(cancelled)  # in the same turn: the broker gets it, the waiter is never called
+            await asyncio.wait_for(done.wait(), 10)
+            await asyncio.sleep(0.05)  # room for a wrong extra answer to arrive
+            return waiter.got, ids, broker.sizes
+        finally:
+            await client.close()
+
+    got, ids, sizes = asyncio.run(main())
+    assert got[:2] == [("reply", ids[0], {"i": 0}), ("reply", ids[1], {"i": 1})]
+    assert sorted(got, key=str) == sorted(
+        [("reply", ids[0], {"i": 0}), ("reply", ids[1], {"i": 1}), ("reply", ids[2], {"i": 2}),
+         ("fail", "BadRequest", "text")], key=str)  # fmt: skip
+    assert sizes == [5]  # one message for the turn, the cancelled request in it

@@ -125,10 +125,13 @@ class AsyncClient:
         decoded: bool = False,
         cost: int = 0,
     ) -> int:
-        """Send one request whose answer goes to ``waiter`` (its ``reply`` or ``fail``, called once, in this
-        loop) instead of a future: for a server that answers many requests per event-loop turn without a
-        task or a future each (the frontends' fast HTTP path). Raises ``PayloadError`` for a body that
-        cannot travel. Returns the request's id, for ``cancel``. Options as for ``infer``."""
+        """Send one request whose answer goes to ``waiter`` instead of a future: for a server that answers
+        many requests per event-loop turn without a task or a future each (the frontends' fast HTTP path).
+        Exactly one of ``waiter.reply(reply, frames)`` (the broker's answer, errors included:
+        ``pending.answer_of`` raises its typed error) and ``waiter.fail(error)`` (lost locally: deadline,
+        broker gone) is called, in this loop, unless ``cancel`` comes first. A waiter must not raise: it runs
+        inside the dispatch of a message that answers other requests too. Raises ``PayloadError`` for a body
+        that cannot travel. Returns the request's id, for ``cancel``. Options as for ``infer``."""
         frames = payload.encode(body)
         if decoded and not cost and self._cost_of:
             cost_fn = self._cost_of.get(model)
