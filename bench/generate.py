@@ -35,8 +35,9 @@ from bench_paths import RESULTS
 from gen_report import LEGS
 from gen_workload import GenRequest, GenRow, build_pool, closed_loop, schedule, summarize, uniform_batch
 from procs import Stopped, stop_on_signals
-from run import cpu_count, git_revision
+from run import git_revision
 from targets import format_targets
+from zserve.config import usable_cores
 
 SERVE_STARTUP_S = 20.0  # what the estimate adds for the deployment's start (CPU, small model)
 
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     meta: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_revision(), "cpu_cores": cpu_count(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_revision(), "cpu_cores": usable_cores(),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }  # fmt: skip

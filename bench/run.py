@@ -17,7 +17,6 @@ PNG plot when matplotlib is installed). See bench/README.md.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from bench_paths import REPO, RESULTS
 from catalog import DEFAULT_CONFIG, ModelPlan, deployment_toml, plan_models
 from measure import Measurement, add_ratios
 from procs import ProcessError, Stopped, free_port, stop_on_signals
-from zserve.config import Config
+from zserve.config import Config, usable_cores
 
 ALL_SCENARIOS = scenarios.ALL
 
@@ -102,13 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def git_revision() -> str:
     def git(*args: str) -> str:
         out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
@@ -136,7 +128,7 @@ def header(config: Config, plans: list[ModelPlan], args: argparse.Namespace, wrk
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_revision(),
         "host": platform.node(),
-        "cpu_cores": cpu_count(),
+        "cpu_cores": usable_cores(),
         "python": platform.python_version(),
         "wrk": wrk,
         "torch_threads": {p.name: p.threads for p in plans},
@@ -203,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None:
         config.frontends.workers = args.workers
     if args.naive_threads is None:
-        args.naive_threads = max(1, cpu_count() // config.frontends.workers)
+        args.naive_threads = max(1, usable_cores() // config.frontends.workers)
     meta = header(config, plans, args, wrk)
 
     interrupted, failure = False, None

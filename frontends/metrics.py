@@ -143,7 +143,7 @@ class ModelMetrics:
         self.model = model
         self.batch_size = BATCH_SIZE.labels(model)
         self.latency = LATENCY.labels(model)
-        for child in (self.batch_size, self.latency):  # what _add_observations writes to
+        for child in (self.batch_size, self.latency):  # what _Observations.write_to writes to
             if not (hasattr(child, "_buckets") and hasattr(child, "_sum") and hasattr(child, "_upper_bounds")):
                 raise RuntimeError("this prometheus_client's Histogram has no _buckets/_sum/_upper_bounds")
         self._codes: dict[int, Counter] = {}
@@ -183,17 +183,15 @@ class _Observations:
         self.bounds = list(upper_bounds)  # ascending, +Inf last
         self.counts = [0] * len(self.bounds)
         self.total = 0.0
-        self.n = 0
 
     def add(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value, as observe()
         self.total += value
-        self.n += 1
 
     def write_to(self, child: Histogram) -> None:
         """What ``child.observe(v)`` for every value added would have written. Histogram has no public way
         to add many observations, so this uses its bucket and sum values (checked in ModelMetrics)."""
-        if not self.n:
+        if not any(self.counts):
             return
         child._sum.inc(self.total)
         for i, n in enumerate(self.counts):
@@ -201,7 +199,6 @@ class _Observations:
                 child._buckets[i].inc(n)
                 self.counts[i] = 0
         self.total = 0.0
-        self.n = 0
 
 
 def render(report: HealthReport | None) -> bytes:

@@ -178,10 +178,8 @@ class PredictRoute:
         self.metrics = {name: metrics.ModelMetrics(name) for name in handlers}
 
     def item(self, handler: Model, raw: bytes, content_type: str) -> Any:
-        """``decode_request`` of the body: bytes for a raw content type (RAW_CONTENT_TYPES), else its JSON.
-        Raises RequestError or BadRequest (413, 400)."""
-        if len(raw) > self.max_body_bytes:
-            raise RequestError(413, "payload_too_large", f"body is over {self.max_body_bytes} bytes")
+        """``decode_request`` of the body (read within ``max_body_bytes`` by the caller): bytes for a raw
+        content type (RAW_CONTENT_TYPES), else its JSON. Raises RequestError or BadRequest (400)."""
         body = raw if content_type.lower().startswith(RAW_CONTENT_TYPES) else decode_json(raw)
         return decode_item(handler, body)
 
