@@ -227,6 +227,26 @@ def test_malformed_http_is_a_json_400_and_the_connection_closes(deployment):
         conn.close()
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "error_type"),
+    [  # past gunicorn's defaults: a 4,094-byte request line, 100 header fields
+        (b"POST /v1/models/slow/predict?q=" + b"x" * 5000 + b" HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 414,
+         "uri_too_long"),
+        (b"POST /v1/models/slow/predict HTTP/1.1\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(150))
+         + b"Content-Length: 2\r\n\r\n{}", 431, "request_header_fields_too_large"),
+    ],
+)  # fmt: skip
+def test_requests_past_the_http_limits_get_json_errors(deployment, request_bytes, status, error_type):
+    conn = Conn(deployment)
+    try:
+        conn.send(request_bytes)
+        got, headers, body = conn.response()
+        assert got == status and json.loads(body)["error"]["type"] == error_type
+        assert headers["server"] == "zserve" and conn.closed_by_server()
+    finally:
+        conn.close()
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_time(deployment):
     conn = Conn(deployment)
     try:
