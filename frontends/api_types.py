@@ -240,12 +240,21 @@ class MiiRequest(msgspec.Struct, kw_only=True):
 # OpenAI embeddings.
 
 
+TokenId = Annotated[int, Meta(ge=0)]
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     model: str
-    input: str | Annotated[list[str], Meta(min_length=1)]  # token-id inputs are not supported
+    # A text, a list of texts, one input as token ids, or a list of inputs as token ids (OpenAI's four shapes).
+    input: str | Annotated[list[str | TokenId | Annotated[list[TokenId], Meta(min_length=1)]], Meta(min_length=1)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: None = None  # not supported: the model's own size
+    dimensions: Annotated[int, Meta(ge=1)] | None = None  # the first N dimensions, normalised again if the model is
     user: str | None = None
+    # Extensions, as vLLM and text-embeddings-inference name them: one of the model's prompts by name (default: its
+    # default_prompt_name), or a prompt text; truncate=false answers 400 for an input over the model's limit.
+    prompt_name: str | None = None
+    prompt: str | None = None
+    truncate: bool = True
 
 
 class Embedding(msgspec.Struct):
@@ -279,6 +288,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     documents: Annotated[list[str | RerankDocument], Meta(min_length=1)]
     top_n: Annotated[int, Meta(ge=1)] | None = None  # None: every document
     return_documents: bool = True
+    truncate: bool = True  # false: a pair over the model's limit is a 400 naming `documents`
 
 
 class RerankResult(msgspec.Struct, omit_defaults=True):
@@ -304,6 +314,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     model: str
     text_1: str | Annotated[list[str], Meta(min_length=1)]
     text_2: str | Annotated[list[str], Meta(min_length=1)]
+    truncate: bool = True  # false: a pair over the model's limit is a 400 naming `text_2`
 
 
 class ScoreData(msgspec.Struct):

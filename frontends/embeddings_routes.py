@@ -1,15 +1,15 @@
 """OpenAI's ``POST /v1/embeddings`` for the embedding models (``zserve.models.embedding:SentenceEmbedding``).
 
-Each input is submitted as its own request, exactly as ``/v1/models/{name}/predict`` submits one, so the
-broker batches the inputs of one call with each other and with the native route's traffic. Errors come in
-OpenAI's shape.
+Each input is submitted as its own request, exactly as ``/v1/models/{name}/predict`` submits one (the same body,
+with the request's ``dimensions``, ``prompt_name``, ``prompt`` and ``truncate``), so the broker batches the inputs
+of one call with each other and with the native route's traffic. ``usage`` counts the tokens the model read, as
+its stage tokenised them (prompts included). Errors come in OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 import time
 from typing import Any
 
@@ -26,7 +26,6 @@ from zserve.frontends.resources import RequestError, decode_item, openai_error, 
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
 
-log = logging.getLogger("zserve.frontend")
 _json = msgspec.json.Encoder()
 
 
@@ -50,35 +49,59 @@ async def gather_or_cancel(coros: list[Any]) -> list[Any]:
         raise
 
 
+def input_bodies(request: EmbeddingRequest) -> list[dict[str, Any]]:
+    """The native route's body for each input of an OpenAI request (texts or token ids), carrying its options."""
+    value = request.input
+    if isinstance(value, str) or all(isinstance(v, str) for v in value):
+        bodies = [{"text": text} for text in ([value] if isinstance(value, str) else value)]
+    elif all(isinstance(v, int) for v in value):
+        bodies = [{"input_ids": value}]
+    elif all(isinstance(v, list) for v in value):
+        bodies = [{"input_ids": ids} for ids in value]
+    else:
+        raise BadRequest("`input` mixes texts, token ids and lists of token ids: give one kind", field="input")
+    options = {"prompt_name": request.prompt_name, "prompt": request.prompt, "dimensions": request.dimensions,
+               "truncate": request.truncate}  # fmt: skip
+    options = {key: v for key, v in options.items() if v is not None}
+    return [{**body, **options} for body in bodies]
+
+
+def _as_input_field(exc: BadRequest) -> BadRequest:
+    """The handler names `text` or `input_ids`; OpenAI's body calls both `input`."""
+    if exc.field in ("text", "input_ids"):
+        exc.field = "input"
+    return exc
+
+
 class EmbeddingsResource:
     def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
         self.client = client
-        self.models = embedding_models(handlers)  # SentenceEmbedding: count_tokens gives the usage
+        self.models = embedding_models(handlers)
         self.max_body_bytes = max_body_bytes
         self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
-        self._warned_no_counts = False
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         started = time.perf_counter()
         name, code, answers = "", 200, []
         try:
-            body = await read_json(req, self.max_body_bytes)
-            if isinstance(body, dict) and body.get("dimensions") is not None:
-                raise BadRequest("`dimensions` is not supported: vectors have the model's own size", field="dimensions")
-            request = decode_body(body, EmbeddingRequest)
+            request = decode_body(await read_json(req, self.max_body_bytes), EmbeddingRequest)
             name = request.model
             model = self.models.get(name)
             if model is None:
                 raise RequestError(404, "model_not_found", f"no embedding model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
-            texts = [request.input] if isinstance(request.input, str) else request.input
             items = []
-            for i, text in enumerate(texts):
+            for i, body in enumerate(input_bodies(request)):
                 try:
-                    items.append(decode_item(model, {"text": text}))
+                    items.append(decode_item(model, body))
                 except BadRequest as exc:
+                    if exc.field not in ("text", "input_ids"):
+                        raise  # an option of the whole request, named as it is
                     raise BadRequest(f"input {i}: {exc.message}", field="input") from None
-            answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+            try:
+                answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+            except BadRequest as exc:  # what only the model's files can tell, checked on its stage
+                raise _as_input_field(exc) from None
         except Exception as exc:
             error = request_error(exc)
             if error is None:
@@ -86,12 +109,11 @@ class EmbeddingsResource:
             code = error.status
             openai_error(resp, code, error.type_name, error.message, error.field)
         else:
-            counts = model.count_tokens(texts)
-            if counts is None and not self._warned_no_counts:
-                self._warned_no_counts = True
-                log.warning("model %s: no tokenizer.json in its folder, usage.prompt_tokens reads 0", name)
-            tokens = sum(counts or ())
-            data = [Embedding("embedding", i, _vector(a.value, request.encoding_format)) for i, a in enumerate(answers)]
+            tokens = sum(a.value["tokens"] for a in answers)  # what the model read, prompts included
+            data = [
+                Embedding("embedding", i, _vector(a.value["embedding"], request.encoding_format))
+                for i, a in enumerate(answers)
+            ]
             resp.data = _json.encode(EmbeddingList("list", data, name, EmbeddingUsage(tokens, tokens)))
             resp.content_type = falcon.MEDIA_JSON
         finally:

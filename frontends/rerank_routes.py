@@ -88,10 +88,16 @@ class _PairsResource:
             items = []
             for i, (query, document) in enumerate(pairs):
                 try:
-                    items.append(decode_item(model, {"query": query, "document": document}))
+                    items.append(
+                        decode_item(model, {"query": query, "document": document, "truncate": request.truncate})
+                    )
                 except BadRequest as exc:
                     raise BadRequest(f"{field} {i}: {exc.message}", field=field) from None
-            answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+            try:
+                answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+            except BadRequest as exc:  # a pair over the model's limit with truncate=false, found on its stage
+                exc.field = field if exc.field == "document" else exc.field
+                raise
         except Exception as exc:
             error = request_error(exc)
             if error is None:
@@ -99,9 +105,9 @@ class _PairsResource:
             code = error.status
             openai_error(resp, code, error.type_name, error.message, error.field)
         else:
-            counts = model.count_tokens([q for q, _ in pairs], [d for _, d in pairs])
-            scores = [float(a.value) for a in answers]
-            resp.data = _json.encode(self.answer(name, request, pairs, scores, sum(counts or ())))
+            scores = [a.value["score"] for a in answers]
+            tokens = sum(a.value["tokens"] for a in answers)  # what the model read, as its stage tokenised it
+            resp.data = _json.encode(self.answer(name, request, pairs, scores, tokens))
             resp.content_type = falcon.MEDIA_JSON
         finally:
             model_metrics = self.metrics.get(name)

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from zserve.config import ModelConfig
+from zserve.errors import EXIT_CANNOT_LOAD, ModelLoadError
 from zserve.frames import pack, received
 from zserve.keys import CurveKeys
 from zserve.logs import setup_logging
@@ -303,7 +304,11 @@ def run_worker(
     started = time.monotonic()
     log.info("loading %s %s (%s) on %s, %d thread(s)", role, config.name, config.handler, args.device, config.threads)
     model = load_handler(config.handler, config.options)
-    start(model, args.device)
+    try:
+        start(model, args.device)
+    except ModelLoadError as exc:
+        log.error("%s cannot load model %s: %s", args.name, config.name, exc)
+        return EXIT_CANNOT_LOAD
     link.threads = config.threads
     if not computes_on_thread:
         _torch_threads(config.threads)  # the runner computes on this thread

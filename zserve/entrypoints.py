@@ -3,7 +3,7 @@
 The MII-style flow::
 
     pipe = zserve.pipeline("zserve.models.embedding:SentenceEmbedding")
-    vectors = pipe(["DeepSpeed is", "Seattle is"])
+    outputs = pipe(["DeepSpeed is", "Seattle is"])   # [{"embedding": array, "tokens": n}, ...]
 
     client = zserve.serve("supervisor.toml")        # or a handler: zserve.serve("pkg.mod:MyModel", port=8080)
     client.predict("minilm", {"text": "hello"})

@@ -79,6 +79,15 @@ class Cancelled(ZserveError):
     type_name = "cancelled"
 
 
+EXIT_CANNOT_LOAD = 4  # a worker's exit status after a ModelLoadError
+
+
+class ModelLoadError(RuntimeError):
+    """A handler's ``setup`` or ``setup_preprocess`` found that its model cannot be loaded (a folder the library
+    cannot read, a model of the wrong kind). Restarting would fail the same way, so the worker exits with
+    ``EXIT_CANNOT_LOAD`` and the supervisor stops the deployment with this message instead of restarting it."""
+
+
 _BY_STATUS: dict[Status, type[ZserveError]] = {
     cls.status: cls
     for cls in (BadRequest, UnknownModel, Overloaded, ShuttingDown, DeadlineExceeded, EngineLost, ModelError, Cancelled)

@@ -45,6 +45,22 @@ def read_model_config(model: str) -> tuple[dict[str, Any] | None, Path | None]:
         ) from None
 
 
+def sentence_transformers_task(folder: Path | None) -> str | None:
+    """The task of a sentence-transformers folder (``modules.json`` or ``config_sentence_transformers.json``):
+    rerank for a CrossEncoder, embed for a SentenceTransformer; None for any other folder."""
+    if folder is None:
+        return None
+    library_config = folder / "config_sentence_transformers.json"
+    if library_config.is_file():
+        model_type = json.loads(library_config.read_text()).get("model_type", "SentenceTransformer")
+        if model_type == "CrossEncoder":
+            return "rerank"
+        if model_type != "SentenceTransformer":
+            raise ConfigError(f"{folder}: a sentence-transformers {model_type}, which zserve does not serve")
+        return "embed"
+    return "embed" if (folder / "modules.json").is_file() else None
+
+
 def infer_task(config: dict[str, Any] | None, folder: Path | None) -> str:
     """The task of a model from its config.json (``architectures``), or a ConfigError saying to pass --task."""
     if config is None:
@@ -52,6 +68,9 @@ def infer_task(config: dict[str, Any] | None, folder: Path | None) -> str:
             return "generate"
         raise ConfigError(f"{folder}: no config.json to read the task from; give --task ({', '.join(HANDLERS)})")
     architectures = config.get("architectures") or []
+    library_task = sentence_transformers_task(folder)
+    if library_task is not None:  # before architectures: Qwen3-Embedding's config says Qwen3ForCausalLM
+        return library_task
     for arch in architectures:
         if arch.endswith("ForSequenceClassification"):
             labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 2))
@@ -60,9 +79,6 @@ def infer_task(config: dict[str, Any] | None, folder: Path | None) -> str:
             return "image-classify"
         if arch.endswith(("ForCausalLM", "LMHeadModel")):
             return "generate"
-    sentence_transformers = ("modules.json", "config_sentence_transformers.json")
-    if folder is not None and any((folder / marker).is_file() for marker in sentence_transformers):
-        return "embed"
     if any(arch.endswith("Model") for arch in architectures):
         return "embed"  # a bare encoder: mean-pooled sentence embeddings
     raise ConfigError(f"cannot tell the task from architectures {architectures}; give --task ({', '.join(HANDLERS)})")

@@ -42,7 +42,7 @@ from zserve.config import (
     preprocess_workers_for,
     run_dir_for,
 )
-from zserve.errors import BrokerUnavailable
+from zserve.errors import EXIT_CANNOT_LOAD, BrokerUnavailable
 from zserve.frontends.reload import ReloadError, RollingReload
 from zserve.frontends.servers import listen_socket, server_argv
 from zserve.hooks import HookError, check_preprocess_hooks
@@ -267,6 +267,12 @@ class Supervisor:
                 os.killpg(child.proc.pid, signal.SIGTERM if child.role == "frontend" else signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            if code == EXIT_CANNOT_LOAD:
+                self.say("supervisor", f"ERROR {child.name} cannot load its model (its log above says why): "
+                                       "not restarting it, stopping everything")  # fmt: skip
+                self.gave_up = True
+                self.stopping.set()
+                return
             while child.restarts and now - child.restarts[0] > s.restart_window_s:
                 child.restarts.popleft()
             if len(child.restarts) >= s.max_restarts:

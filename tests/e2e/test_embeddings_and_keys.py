@@ -118,9 +118,15 @@ def test_the_inputs_of_one_call_are_batched_by_the_broker(deployment):
         ({"model": "nope", "input": "x"}, 404, "model"),
         ({"input": "x"}, 400, "model"),
         ({"model": "minilm", "input": []}, 400, "input"),
-        ({"model": "minilm", "input": [101, 102]}, 400, "input"),
+        ({"model": "minilm", "input": [101, "x"]}, 400, "input"),
+        ({"model": "minilm", "input": [[101, 102], []]}, 400, "input"),
+        ({"model": "minilm", "input": [101, -1]}, 400, "input"),
+        ({"model": "minilm", "input": [[101, 30522]]}, 400, "input"),  # past the vocabulary
         ({"model": "minilm", "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
-        ({"model": "minilm", "input": "x", "dimensions": 128}, 400, "dimensions"),
+        ({"model": "minilm", "input": "x", "dimensions": 385}, 400, "dimensions"),
+        ({"model": "minilm", "input": "x", "dimensions": 0}, 400, "dimensions"),
+        ({"model": "minilm", "input": "x", "prompt_name": "nope"}, 400, "prompt_name"),
+        ({"model": "minilm", "input": ["ok", "word " * 300], "truncate": False}, 400, "input"),
         ({"model": "minilm", "input": ["ok", "x" * 100_001]}, 400, "input"),
     ],
 )

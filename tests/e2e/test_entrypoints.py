@@ -14,9 +14,9 @@ from zserve.models.echo import Echo
 
 def test_pipeline_runs_preprocess_and_predict_in_process():
     pipe = zserve.pipeline("zserve.models.embedding:SentenceEmbedding", max_batch_size=2)
-    vectors = pipe(["DeepSpeed is", "Seattle is", "a third one"])
-    assert len(vectors) == 3 and vectors[0].shape == (384,)
-    np.testing.assert_allclose(vectors[2], pipe(["a third one"])[0], atol=1e-5)
+    outputs = pipe(["DeepSpeed is", "Seattle is", "a third one"])
+    assert len(outputs) == 3 and outputs[0]["embedding"].shape == (384,) and outputs[0]["tokens"] > 2
+    np.testing.assert_allclose(outputs[2]["embedding"], pipe(["a third one"])[0]["embedding"], atol=1e-5)
     assert zserve.pipeline(Echo)([1, {"a": 2}]) == [1, {"a": 2}]
     with pytest.raises(TypeError, match="batch model"):
         pipe(["x"], max_new_tokens=8)

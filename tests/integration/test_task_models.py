@@ -14,7 +14,7 @@ from tinylm import build_tiny_lm
 from tinymodels import CLASSIFIER_LABELS, IMAGE_LABELS, image_file
 
 from zserve.config import ConfigError, parse_config, to_toml
-from zserve.errors import BadRequest
+from zserve.errors import BadRequest, ModelLoadError
 from zserve.model import predict_inline, setup_inline
 from zserve.models.classification import SequenceClassification
 from zserve.models.embedding import bundled_minilm_path
@@ -109,14 +109,33 @@ def test_token_costs_are_what_the_tokenizer_gives(classifier):
     assert classifier.count_tokens(["x " * 2000]) == [classifier.max_length]  # truncation counted
 
 
-def test_rerank_scores_are_the_sigmoid_of_the_cross_encoder(reranker, tiny_cross_encoder):
+def test_rerank_scores_equal_cross_encoder_predict(reranker, tiny_cross_encoder):
+    from sentence_transformers import CrossEncoder
+
     query = "what is the capital of france?"
     documents = ["paris is the capital of france.", "the quick brown fox", "berlin is the capital of germany"]
     outputs = predict_inline(reranker, [reranker.decode_request({"query": query, "document": d}) for d in documents])
-    expected = _hf_logits(tiny_cross_encoder, [query] * 3, documents)[:, 0].sigmoid().numpy()
-    np.testing.assert_allclose(outputs, expected, atol=1e-5)
-    assert max(outputs) - min(outputs) > 1e-3  # distinct scores: the ordering tests mean something
-    assert reranker.encode_response(outputs[0]) == {"score": outputs[0]}
+    scores = [o["score"] for o in outputs]
+    expected = CrossEncoder(str(tiny_cross_encoder)).predict([(query, d) for d in documents])
+    np.testing.assert_allclose(scores, expected, atol=1e-5)
+    # the library's default for a one-output model that names no activation: the sigmoid of the logit
+    np.testing.assert_allclose(
+        scores, _hf_logits(tiny_cross_encoder, [query] * 3, documents)[:, 0].sigmoid(), atol=1e-5
+    )
+    assert max(scores) - min(scores) > 1e-3  # distinct scores: the ordering tests mean something
+    assert reranker.encode_response(outputs[0]) == {"score": scores[0]}
+    assert all(o["tokens"] > 5 for o in outputs)
+
+
+def test_rerank_truncate_false_refuses_a_pair_over_the_limit_alone(tiny_cross_encoder):
+    model = CrossEncoderRerank(path=str(tiny_cross_encoder), max_length=16)
+    setup_inline(model)
+    long = "the quick brown fox jumps over the lazy dog " * 4
+    items = [model.decode_request(b) for b in ({"query": "q", "document": long, "truncate": False},
+                                               {"query": "q", "document": long})]  # fmt: skip
+    refused, truncated = predict_inline(model, items)
+    assert isinstance(refused, BadRequest) and refused.field == "document" and "16" in refused.message
+    assert truncated["tokens"] == 16
 
 
 @pytest.mark.parametrize(
@@ -131,7 +150,7 @@ def test_rerank_bad_bodies_name_the_field(reranker, body, field):
 
 
 def test_a_cross_encoder_needs_one_output(tiny_classifier):
-    with pytest.raises(ValueError, match="one output"):
+    with pytest.raises(ModelLoadError, match="one output"):
         CrossEncoderRerank(path=str(tiny_classifier)).setup("cpu")
 
 

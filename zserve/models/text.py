@@ -16,8 +16,10 @@ import numpy as np
 
 from zserve.errors import BadRequest
 from zserve.model import Model
+from zserve.models.st_library import check_dtype, torch_dtype
 
 MAX_TEXT_CHARS = 100_000
+COUNT_LIMIT = 512  # tokens counted for cost where max_length = 0 (the model's limit, which frontends do not load)
 
 
 def text_field(body: dict[str, Any], key: str) -> str:
@@ -60,12 +62,13 @@ class TextModel(Model):
 
     auto_class = "AutoModel"
 
-    def __init__(self, path: str = "", max_length: int = 512, **options: Any) -> None:
-        super().__init__(path=path, max_length=max_length, **options)
+    def __init__(self, path: str = "", max_length: int = 512, dtype: str = "auto", **options: Any) -> None:
+        super().__init__(path=path, max_length=max_length, dtype=dtype, **options)
         self.path = path
         self.max_length = int(max_length)
-        if self.max_length < 1:
-            raise ValueError("max_length must be at least 1")
+        if self.max_length < 0:
+            raise ValueError("max_length must be 0 (the model's own limit) or more")
+        self.dtype = check_dtype(dtype)
         self._counter: Any = None  # a tokenizers.Tokenizer, loaded by the first count
         self._counter_missing = False
 
@@ -86,7 +89,8 @@ class TextModel(Model):
     def tokenize(self, texts: list[str], pairs: list[str] | None = None) -> dict[str, np.ndarray]:
         """The batch as padded numpy arrays (they travel to the engine as raw frames)."""
         args = (texts, pairs) if pairs is not None else (texts,)
-        tokens = self.tokenizer(*args, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        limit = self.max_length or None  # None: the tokenizer's model_max_length
+        tokens = self.tokenizer(*args, padding=True, truncation=True, max_length=limit, return_tensors="np")
         return {key: np.asarray(value, dtype=np.int64) for key, value in tokens.items()}
 
     # ---- engine ----
@@ -100,7 +104,8 @@ class TextModel(Model):
         self.torch = torch
         self.device = torch.device(device)
         auto = getattr(transformers, self.auto_class)
-        self.model = auto.from_pretrained(self.folder()).to(self.device).eval()
+        dtype = torch_dtype(self.dtype, self.device)
+        self.model = auto.from_pretrained(self.folder(), dtype=dtype).to(self.device).eval()
 
     def warmup(self) -> None:
         self.predict({"input_ids": np.array([[1, 2, 3]], dtype=np.int64), "attention_mask": np.ones((1, 3), np.int64)})
@@ -132,7 +137,7 @@ class TextModel(Model):
                 return None
             self._counter = Tokenizer.from_file(str(path))
             self._counter.no_padding()
-            self._counter.enable_truncation(self.max_length)
+            self._counter.enable_truncation(self.max_length or COUNT_LIMIT)
         if pairs is None:
             return [len(e.ids) for e in self._counter.encode_batch(texts)]
         return [len(e.ids) for e in self._counter.encode_batch(list(zip(texts, pairs, strict=True)))]

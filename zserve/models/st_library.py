@@ -1,0 +1,124 @@
+"""The sentence-transformers library, split the zserve way, for ``SentenceEmbedding`` and ``CrossEncoderRerank``.
+
+A folder's whole module stack (Transformer, Pooling in any mode, Dense, Normalize, a cross-encoder's head and
+activation; prompts, ``max_seq_length``, ``truncate_dim``) is computed by the library itself. The stage process
+loads the same library object with its weights on the ``meta`` device (config and processor only, nothing in
+memory) and runs the library's ``preprocess`` (tokenising, with the prompt); the engine loads it with weights and
+runs its ``forward``. Nothing is hand-written that the library already does.
+
+Per request a text may name a prompt; the library's ``preprocess`` takes one prompt per call and Pooling reads one
+``prompt_length`` per batch, so a batch is tokenised in one *group* per distinct prompt and each group is one
+forward (one group in the common case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from zserve.errors import ModelLoadError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return dtype
+
+
+def torch_dtype(dtype: str, device: Any) -> Any:
+    """The torch dtype for a handler's ``dtype`` option on ``device``. ``auto``: bfloat16 on a CUDA device that
+    supports it (tensor cores, half the memory; within cosine 0.999 of float32, tested), float32 elsewhere (on
+    this project's CPUs bf16 matmuls measured slower than fp32, and older GPUs have no bf16)."""
+    import torch
+
+    if dtype == "auto":
+        cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    return getattr(torch, dtype)
+
+
+def load(cls: type, folder: str, device: str | None, **kwargs: Any) -> Any:
+    """``cls(folder)`` (SentenceTransformer or CrossEncoder) on ``device``; ``device=None`` is the stage's copy:
+    weights on the ``meta`` device. A folder the library cannot load raises ModelLoadError naming it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one log line per event, not a progress bar per load
+    try:
+        if device is None:
+            return cls(folder, model_kwargs={"device_map": "meta"}, **kwargs)
+        return cls(folder, device=device, **kwargs)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise ModelLoadError(f"{folder}: sentence-transformers cannot load this folder: {why}") from exc
+
+
+def group_rows(keys: list[Any]) -> list[list[int]]:
+    """Row indices grouped by key, groups in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def arrays(features: dict[str, Any]) -> dict[str, Any]:
+    """The library's features as a payload: tensors become numpy arrays (raw frames), other values stay."""
+    return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in features.items()}
+
+
+def padded_ids(rows: list[list[int]], tokenizer: Any, token_type_ids: bool) -> dict[str, np.ndarray]:
+    """Token-id inputs as the tokenizer would pad them (its pad id and padding side)."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if tokenizer.padding_side == "left" else slice(0, len(row))
+        ids[i, span] = row
+        mask[i, span] = 1
+    out = {"input_ids": ids, "attention_mask": mask, "modality": "text"}
+    if token_type_ids:
+        out["token_type_ids"] = np.zeros_like(ids)
+    return out
+
+
+class Forward:
+    """The engine's side: a loaded library model and its device, running one group's features at a time."""
+
+    def __init__(self, model: Any, device: str, dtype: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.model = model.to(torch_dtype(dtype, self.device)).eval()
+        self.pinned = self.device.type == "cuda"
+
+    def __call__(self, features: dict[str, Any]) -> dict[str, Any]:
+        """The library's forward on one group (arrays decoded from frames); outputs stay on the device."""
+        torch = self.torch
+        inputs: dict[str, Any] = {}
+        for key, value in features.items():
+            if isinstance(value, np.ndarray):
+                # np.array copies: arrays decoded from frames are read-only views, which torch will not wrap.
+                tensor = torch.from_numpy(np.array(value))
+                if self.pinned:  # to the device from pinned memory, without blocking the host
+                    tensor = tensor.pin_memory().to(self.device, non_blocking=True)
+                else:
+                    tensor = tensor.to(self.device)
+                inputs[key] = tensor
+            else:
+                inputs[key] = value
+        with torch.inference_mode():
+            return self.model(inputs)
+
+    def rows_to_host(self, groups: list[list[int]], outputs: list[Any], n: int, post: Callable[[Any], Any]) -> Any:
+        """The groups' outputs (one tensor per group, rows in the group's order) back in batch order, as float32
+        on the host in one copy; ``post`` runs on the device first (the library's activation, say)."""
+        torch = self.torch
+        order = torch.tensor([row for rows in groups for row in rows], device=self.device)
+        stacked = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        result = stacked.new_zeros((n, *stacked.shape[1:]))  # rows that failed their checks stay zero
+        result[order] = stacked
+        return post(result.float()).cpu().numpy()
