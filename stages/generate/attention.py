@@ -99,41 +99,50 @@ class PagedKVCache:
 
     def attention(self, module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """The transformers attention-interface signature; q/k/v are [1, heads, T, head_dim]."""
-        step: TorchStep = kwargs["zserve_meta"]
-        kc, vc = self.k[module.layer_idx], self.v[module.layer_idx]
-        kc.index_copy_(0, step.write_slots, k[0].transpose(0, 1))
-        vc.index_copy_(0, step.write_slots, v[0].transpose(0, 1))
-        out = torch.empty_like(q)
+        out = self.attend(
+            module.layer_idx, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+            kwargs["zserve_meta"], scaling if scaling is not None else q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        return out.unsqueeze(0), None
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: TorchStep, scale: float
+    ) -> torch.Tensor:
+        """One layer's attention for the whole packed step: writes the new ``k``/``v`` [T, kv_heads, head_dim]
+        at their slots, then attends ``q`` [T, heads, head_dim] (head_dim contiguous, any row and head
+        strides); returns [T, heads, head_dim], contiguous."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(0, step.write_slots, k)
+        vc.index_copy_(0, step.write_slots, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if step.decode_padded is not None:
             rows, slots, mask = step.decode_padded
             keys = kc[slots].permute(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
             values = vc[slots].permute(0, 2, 1, 3)
-            queries = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-            out[0, :, rows] = o.squeeze(2).transpose(0, 1)
+            queries = q[rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[rows] = o.squeeze(2)
         bs = step.block_size
         decodes = step.decodes
         if decodes and self.native is not None and step.decode_tables is not None:
             d = len(decodes)  # decodes are rows [0, d) of the packed row
-            self.native(
-                q[0, :, :d].transpose(0, 1), kc, vc, step.decode_tables, step.decode_lengths, bs,
-                scaling if scaling is not None else q.shape[-1] ** -0.5, out[0, :, :d].transpose(0, 1),
-            )  # fmt: skip
+            self.native(q[:d], kc, vc, step.decode_tables, step.decode_lengths, bs, scale, out[:d])
             decodes = []
         # Without the kernel, one unmasked SDPA call per sequence over its own KV beats one padded, masked
         # batch on a CPU (bench/gen_attention.py): the mask forces SDPA's slow path and the padding costs too.
         kb, vb = kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:])
         for row, table, length in decodes:
-            out[:, :, row : row + 1] = F.scaled_dot_product_attention(
-                q[:, :, row : row + 1], _gather(kb, table, length), _gather(vb, table, length),
-                scale=scaling, enable_gqa=True,
-            )  # fmt: skip
+            out[row] = F.scaled_dot_product_attention(
+                q[row].unsqueeze(1).unsqueeze(0), _gather(kb, table, length), _gather(vb, table, length),
+                scale=scale, enable_gqa=True,
+            )[0, :, 0]  # fmt: skip
         for start, end, table, length, mask in step.prefills:
             keys, values = _gather(kb, table, length), _gather(vb, table, length)
-            out[:, :, start:end] = F.scaled_dot_product_attention(
-                q[:, :, start:end], keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
-            )
-        return out.transpose(1, 2), None
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, is_causal=mask is None,
+                scale=scale, enable_gqa=True,
+            )[0].transpose(0, 1)  # fmt: skip
+        return out
 
 
 def _gather(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from zserve.generation import GenerateRequest, GenerateResponse
 from zserve.stages.generate import cpu_linear
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
+from zserve.stages.generate.llama import own_model
 from zserve.stages.generate.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class EngineOptions:
     tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
     cpu_linear: str = "onednn"  # on a CPU: "onednn" (weights prepacked once, cpu_linear.py) or "torch"
     cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
+    model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
 
 
 class GenerativeEngine:
@@ -98,11 +100,13 @@ class GenerativeEngine:
         from zserve.gguf_cache import converted_path, resolve_model_path
 
         path = resolve_model_path(path)
+        dtype = resolved_dtype(dtype, device)
         if gguf_file:
             path = str(converted_path(path, gguf_file, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
         if options.tensor_parallel == 1:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+            model = own_model(model, options.model_impl)
             if options.cpu_linear == "onednn" and cpu_linear.available(model):
                 cpu_linear.prepack(model)
             return cls(model, tokenizer, options)
@@ -114,7 +118,9 @@ class GenerativeEngine:
                 f"tensor_parallel {options.tensor_parallel} needs as many CUDA devices, this engine sees "
                 f'{torch.cuda.device_count()}: give it devices = ["cuda:0,1,..."] (rank r runs on cuda:r)'
             )
-        group = TensorParallelGroup.start(options.tensor_parallel, path, dtype=dtype, device=device)
+        group = TensorParallelGroup.start(
+            options.tensor_parallel, path, dtype=dtype, device=device, model_impl=options.model_impl
+        )
         try:
             return cls(load_sharded(group.spec), tokenizer, options, group)
         except BaseException:
@@ -221,6 +227,14 @@ def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int, tensor_paralle
         else:
             budget = _CPU_KV_CACHE_BYTES
     return max(1, budget // per_block)
+
+
+def resolved_dtype(dtype: str, device: str) -> str:
+    """``dtype`` "auto": bfloat16 on CUDA (what GPUs compute fastest, and what models ship in), float32
+    elsewhere (a CPU without AMX computes bf16 products slower than fp32 ones)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def engine_of(model: Any) -> GenerativeEngine:

@@ -1,7 +1,8 @@
 """The generative engine core: add requests (under the caller's ids), call ``step()``; each step runs one
 packed forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
 text: ``engine.GenerativeEngine`` owns it (tokenising, in-process generate) and the engine process shell
-(``runner.py``) drives it. The model is Hugging Face's, unchanged, with our paged attention registered.
+(``runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else Hugging Face's,
+unchanged, with our paged attention registered.
 
 Per step the Python work is O(1) per sequence: each sequence keeps its KV slot table and block table as
 tensors that grow a block at a time (``_sync``), so building the step's metadata slices views instead of
@@ -19,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from zserve.stages.generate.attention import PagedKVCache, StepMeta
 from zserve.stages.generate.block_manager import BlockManager
+from zserve.stages.generate.llama import LlamaFamily
 from zserve.stages.generate.sampler import Sampler
 from zserve.stages.generate.scheduler import Chunk, StepScheduler
 from zserve.stages.generate.sequence import SamplingParams, Sequence
@@ -212,6 +214,9 @@ def paged_cache_for(
         config.num_hidden_layers, num_blocks * block_size, kv_heads(config) // tensor_parallel, head_dim(config),
         model.dtype, model.device, native_decode,
     )  # fmt: skip
+    if isinstance(model, LlamaFamily):  # ours calls the cache itself
+        model.cache = cache
+        return cache
     name = f"zserve_paged_{next(_names)}"
     AttentionInterface.register(name, cache.attention)
     AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
@@ -222,11 +227,15 @@ def paged_cache_for(
 def forward(model, ids, positions, meta: StepMeta, sample_rows: list[int], *, batched_decode: bool) -> torch.Tensor:
     """One step's forward pass over the packed row: the logits of the ``sample_rows``."""
     device = model.device
+    rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
+    if isinstance(model, LlamaFamily):
+        step = meta.for_torch(device, batched_decode)
+        return model(ids[0].to(device), positions[0].to(device), step, rows)
     return model(
         input_ids=ids.to(device),
         position_ids=positions.to(device),
         use_cache=False,
-        logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        logits_to_keep=rows,
         zserve_meta=meta.for_torch(device, batched_decode),
     ).logits[0]
 

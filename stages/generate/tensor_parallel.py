@@ -3,12 +3,13 @@ nccl on CUDA, with a gloo group beside it for the step broadcasts).
 
 Rank 0 is the engine process its supervisor started: it talks to the broker, schedules, samples and drives
 every step. Ranks 1..N-1 are its children, started when it loads the model and dying with it (PDEATHSIG).
-Every rank loads the model with transformers' tensor-parallel plan for it (``tp_plan="auto"``: attention
-heads and MLP columns split across ranks, an all-reduce after ``o_proj`` and ``down_proj``, the logits
-gathered), so the model code stays Hugging Face's; each rank's KV cache holds its own key/value heads
-(``kv_heads / N``). For each step rank 0 broadcasts the packed inputs and the step metadata (``send_step``);
-the followers run the same forward pass (``follow``) and drop its logits. Followers keep no scheduler and no
-sequences: the only state they hold is their slice of the weights and of the KV cache.
+Every rank runs its shard of the model: ours for the Llama family (``llama.py``: each rank loads the whole
+checkpoint and keeps its heads and MLP columns, an all-reduce after ``o_proj`` and ``down_proj``), else
+Hugging Face's with transformers' tensor-parallel plan for it (``tp_plan="auto"``: the same split, the logits
+gathered); each rank's KV cache holds its own key/value heads (``kv_heads / N``). For each step rank 0
+broadcasts the packed inputs and the step metadata (``send_step``); the followers run the same forward pass
+(``follow``) and drop its logits. Followers keep no scheduler and no sequences: the only state they hold is
+their slice of the weights and of the KV cache.
 
 A follower that dies breaks the group (the next collective would hang or fail): rank 0 exits at once, so its
 supervisor restarts the whole group, and the broker re-dispatches its sequences as for any lost engine.
@@ -62,6 +63,7 @@ class GroupSpec:
     path: str
     dtype: str
     device: str
+    model_impl: str = "auto"  # see llama.own_model
 
 
 def _backend(device: str) -> str:
@@ -82,8 +84,16 @@ def _join(rank: int, spec: GroupSpec) -> Any:
 
 def load_sharded(spec: GroupSpec) -> Any:
     """This rank's shard of the model (the process group must be joined)."""
-    from transformers import AutoModelForCausalLM, DistributedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
+    from zserve.stages.generate.llama import LlamaFamily, unsupported
+
+    config = AutoConfig.from_pretrained(spec.path)
+    if spec.model_impl == "zserve" or (spec.model_impl == "auto" and unsupported(config) is None):
+        rank = dist.get_rank()
+        device = f"cuda:{rank}" if spec.device.startswith("cuda") else spec.device
+        whole = AutoModelForCausalLM.from_pretrained(spec.path, dtype=getattr(torch, spec.dtype)).to(device)
+        return LlamaFamily.from_hf(whole, rank, spec.size, dist.group.WORLD)
     parallel = DistributedConfig(tp_plan="auto", tp_size=spec.size)  # the model's own plan (its config's)
     return AutoModelForCausalLM.from_pretrained(
         spec.path, dtype=getattr(torch, spec.dtype), distributed_config=parallel
@@ -109,15 +119,15 @@ class TensorParallelGroup:
         atexit.register(self.close)
 
     @classmethod
-    def start(cls, size: int, path: str, *, dtype: str, device: str) -> TensorParallelGroup:
+    def start(cls, size: int, path: str, *, dtype: str, device: str, model_impl: str = "auto") -> TensorParallelGroup:
         """Start ranks 1..size-1 and join the group as rank 0. The model path must be local (resolved)."""
         saved_env = {name: os.environ.get(name) for name in _ENV}
         store_dir = tempfile.mkdtemp(prefix="zserve-tp-")
-        spec = GroupSpec(size, os.path.join(store_dir, "rendezvous"), path, dtype, device)
+        spec = GroupSpec(size, os.path.join(store_dir, "rendezvous"), path, dtype, device, model_impl)
         followers = []
         for rank in range(1, size):
             argv = ["--rank", str(rank), "--size", str(size), "--store", spec.store, "--path", path, "--dtype", dtype]
-            argv += ["--device", device]
+            argv += ["--device", device, "--model-impl", model_impl]
             followers.append(subprocess.Popen([sys.executable, "-m", "zserve.stages.generate.tensor_parallel", *argv]))
         try:
             control = _join(0, spec)
@@ -233,12 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model-impl", default="auto")
     args = p.parse_args(argv)
     from zserve.transport import die_with_parent
 
     die_with_parent(signal.SIGKILL)  # rank 0 gone: nothing to follow
     logging.basicConfig(level=logging.INFO, format=f"tp-rank-{args.rank} %(levelname)s %(message)s")
-    follow(args.rank, GroupSpec(args.size, args.store, args.path, args.dtype, args.device))
+    follow(args.rank, GroupSpec(args.size, args.store, args.path, args.dtype, args.device, args.model_impl))
     return 0
 
 

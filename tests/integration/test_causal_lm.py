@@ -23,6 +23,9 @@ def pipe(tiny_path):
 def test_pipeline_generates_like_hf_generate(pipe, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from zserve.stages.generate.llama import LlamaFamily
+
+    assert isinstance(pipe.model.engine.core.model, LlamaFamily)  # model_impl auto: ours, for a Llama
     prompts = ["DeepSpeed is", "Seattle is", "zserve batches many small"]
     out = pipe(prompts, max_new_tokens=16, ignore_eos=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
@@ -89,6 +92,8 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_linear="mkl")
     with pytest.raises(ValueError, match="cpu_attention 'flash' must be native or torch"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_attention="flash")
+    with pytest.raises(ValueError, match="model_impl 'vllm' must be auto, zserve or transformers"):
+        zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", model_impl="vllm")
     with pytest.raises(zserve.BadRequest) as info:  # an unknown option is named
         pipe.model.decode_request({"prompt": "x", "colour": "blue"})
     assert info.value.field == "colour"

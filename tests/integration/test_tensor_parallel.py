@@ -14,6 +14,7 @@ from tinylm import build_tiny_lm
 from transformers import AutoModelForCausalLM
 
 from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
+from zserve.stages.generate.llama import LlamaFamily
 from zserve.stages.generate.sequence import SamplingParams
 
 OPTIONS = EngineOptions(num_blocks=24, block_size=8, max_batched_tokens=48, max_running=8, tensor_parallel=2)
@@ -43,10 +44,12 @@ def run_staggered(engine: GenerativeEngine, batch: list[list[int]]) -> list[list
     return [produced[i] for i in range(len(batch))]
 
 
-def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path):
+@pytest.mark.parametrize("impl", ["zserve", "transformers"])  # our layers sharded; HF's modules on HF's plan
+def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path, impl):
     batch = prompts()
-    engine = GenerativeEngine.load(str(tiny_path), options=OPTIONS)
+    engine = GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, model_impl=impl))
     try:
+        assert isinstance(engine.core.model, LlamaFamily) == (impl == "zserve")
         assert engine.core.cache.k[0].shape[1] == 1  # this rank holds one of the two key/value heads
         parallel = run_staggered(engine, batch)
         preempted = engine.core.scheduler.preemptions

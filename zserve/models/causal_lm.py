@@ -7,8 +7,11 @@ tokenizer, KV pool, core), which the engine process's runner drives when served 
 process (``zserve.pipeline``).
 
 Options: ``path`` (a local folder, a hub name, or ``package:NAME`` for an installed package's folder),
-``gguf_file`` (converted once into a cache, see ``zserve.gguf_cache``), ``dtype`` ("float32", "bfloat16",
-"float16"), and the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of the free
+``gguf_file`` (converted once into a cache, see ``zserve.gguf_cache``), ``dtype`` ("auto": bfloat16 on CUDA,
+float32 on a CPU; "float32", "bfloat16", "float16"), ``model_impl`` ("auto": zserve's own model code for the
+Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3: merged projections, see stages/generate/llama.py) and
+Hugging Face's modules for every other architecture; "zserve": ours or an error; "transformers": HF's), and
+the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of the free
 memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
 budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
 ``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
@@ -34,7 +37,7 @@ class CausalLM(Model):
         self,
         path: str = "",
         gguf_file: str = "",
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_bytes: int = 0,
         num_blocks: int = 0,
         block_size: int = 16,
@@ -46,12 +49,14 @@ class CausalLM(Model):
         tensor_parallel: int = 1,
         cpu_linear: str = "onednn",
         cpu_attention: str = "native",
+        model_impl: str = "auto",
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
             tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
+            model_impl=model_impl,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
@@ -61,8 +66,10 @@ class CausalLM(Model):
             raise ValueError(f"cpu_linear {cpu_linear!r} must be onednn or torch")
         if cpu_attention not in ("native", "torch"):
             raise ValueError(f"cpu_attention {cpu_attention!r} must be native or torch")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype {dtype!r} must be one of float32, bfloat16, float16")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {dtype!r} must be one of auto, float32, bfloat16, float16")
+        if model_impl not in ("auto", "zserve", "transformers"):
+            raise ValueError(f"model_impl {model_impl!r} must be auto, zserve or transformers")
         self.path = path
         self.gguf_file = gguf_file
         self.dtype = dtype
@@ -79,7 +86,7 @@ class CausalLM(Model):
             max_batched_tokens=int(o["max_batched_tokens"]), max_running=int(o["max_running"]),
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
-            cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]),
+            cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]), model_impl=str(o["model_impl"]),
         )  # fmt: skip
         self.engine = GenerativeEngine.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
