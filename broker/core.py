@@ -50,6 +50,7 @@ from zserve.protocol import (
     Heartbeat,
     Hello,
     InvalidItem,
+    Leave,
     ModelHealth,
     Msg,
     Replace,
@@ -301,6 +302,8 @@ class BrokerCore:
     # ---- workers: registration ----
 
     def on_work(self, identity: bytes, msg: Msg, now: float) -> None:
+        if isinstance(msg, Leave):
+            return self.on_leave(identity, msg, now)
         if not isinstance(msg, Hello):
             log.warning("unexpected %s from worker %r", type(msg).__name__, identity)
             return
@@ -327,6 +330,29 @@ class BrokerCore:
         self._fail_batches(orphans, f"worker {msg.worker} restarted")
         log.info("worker %s ready: %s %s, %d credits", msg.worker, msg.role, ",".join(msg.models), msg.credits)
         self._to_worker(identity, Heartbeat("broker"))  # the welcome
+
+    def on_leave(self, identity: bytes, msg: Leave, now: float) -> None:
+        """A worker is stopping (SIGTERM): no more work for it; what it hands back goes to the head of its queue
+        with no attempt counted (nothing was lost); ``tick`` dismisses it (Shutdown) once it holds nothing."""
+        worker = self.pool.workers.get(identity)
+        if worker is None:  # unknown (the broker restarted, or it was expired): it holds nothing of ours
+            self._to_worker(identity, Shutdown("leave: this broker holds nothing of yours"))
+            return
+        self.pool.seen(identity, now)
+        handed_back = 0
+        for batch_id in msg.batch_ids:
+            batch = self.pool.batch(batch_id)
+            if batch is None or batch.worker_id != identity:
+                continue  # answered or expired meanwhile
+            self.pool.finish(batch_id)
+            self._requeue(batch.model, batch.item_ids)
+            handed_back += 1
+        if not worker.leaving:
+            log.info("worker %s leaving: finishing %d batches, handed back %d", worker.name,
+                     len(worker.in_flight), handed_back)  # fmt: skip
+        elif handed_back:
+            log.info("worker %s handed back %d more batches", worker.name, handed_back)
+        worker.leaving = True
 
     def worker_unreachable(self, worker_id: bytes, undelivered: Iterable[int] = ()) -> None:
         """The shell could not send to this worker: forget it. ``undelivered`` batches (of this flush) never
@@ -540,6 +566,9 @@ class BrokerCore:
             self._fail_batches(batches, f"worker {worker.name} was lost")
         for worker in self.pool.hung(now, self._hang_timeout_s):
             self._hang(worker, now)
+        for worker in self.pool.left():
+            log.info("worker %s left (pid %d)", worker.name, worker.pid)
+            self._to_worker(worker.worker_id, Shutdown("left: you hold nothing"))
         if now - self._last_heartbeat_s >= self.interval_s:
             self._last_heartbeat_s = now
             beat = Heartbeat("broker")

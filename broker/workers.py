@@ -39,10 +39,11 @@ class Worker:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
+    leaving: bool = False  # said Leave: gets no more work, and is not counted as ready
 
     @property
     def free_credits(self) -> int:
-        return self.credits - len(self.in_flight)
+        return 0 if self.leaving else self.credits - len(self.in_flight)
 
 
 class WorkerPool:
@@ -142,7 +143,14 @@ class WorkerPool:
         return [(w, self.remove(w.worker_id)) for w in lost]
 
     def _serving(self, model: str, role: str) -> Iterator[Worker]:
-        return (w for w in self.workers.values() if w.role == role and model in w.models)
+        return (w for w in self.workers.values() if w.role == role and model in w.models and not w.leaving)
+
+    def left(self) -> list[Worker]:
+        """Leaving workers that hold nothing any more: removed from the pool, for the broker to dismiss."""
+        done = [w for w in self.workers.values() if w.leaving and not w.in_flight]
+        for w in done:
+            del self.workers[w.worker_id]
+        return done
 
     def ready_count(self, model: str, role: str = ENGINE) -> int:
         return sum(1 for _ in self._serving(model, role))

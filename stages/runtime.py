@@ -2,6 +2,15 @@
 the broker, heartbeats both ways, re-registration after a broker restart, and clean exit on SIGTERM or
 Shutdown.
 
+SIGTERM (a scale-down, a rollout, `zserve up` stopping) is a leave, never a loss: the worker says Leave,
+takes no new work (a Batch that crossed its Leave goes back with another Leave, unstarted), finishes what it
+holds, and exits when the broker, seeing it hold nothing, answers Shutdown, or when the broker is silent for
+the liveness period (then whatever it held is the old broker's, which clients resubmit to the new one).
+
+``ZSERVE_WORKER_STATE_DIR`` (set by `zserve k8s`'s pods): the link keeps the file ``registered`` there while
+the broker knows it (a readiness probe) and touches ``alive`` at least every heartbeat interval while its
+thread turns (a liveness probe).
+
 Sockets and threads (one owner per socket):
   * the compute thread owns the DEALER (Hello out; Batch, Heartbeat, Reset, Shutdown in) and a PUSH for
     results, so a batch goes socket -> compute -> socket with no thread hop;
@@ -29,7 +38,7 @@ from zserve.frames import pack, received
 from zserve.keys import CurveKeys
 from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
-from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Replace, Reset, Shutdown
+from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Leave, Replace, Reset, Shutdown
 from zserve.transport import die_with_parent, make_socket, use_curve_for_tcp
 
 log = logging.getLogger("zserve.worker")
@@ -72,6 +81,12 @@ class WorkerLink:
         self.busy = False
         self.threads = 1  # torch intra-op threads of the runner's compute thread (run_worker sets it)
         self.registered = threading.Event()
+        self.leaving = threading.Event()  # SIGTERM: leave (see the module's docstring)
+        self.state_dir = os.environ.get("ZSERVE_WORKER_STATE_DIR", "")
+        self._alive_at = 0.0
+        if self.state_dir:
+            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+            self._set_registered(False)
         self.ctx = zmq.Context()
         self.codec = Codec()
         self.dealer: zmq.Socket | None = None
@@ -96,8 +111,8 @@ class WorkerLink:
 
     def install_signal_handlers(self) -> None:
         def on_term(signum: int, _frame: Any) -> None:
-            log.info("%s received signal %d: finishing the current batch, then exiting", self.name, signum)
-            self.stop.set()
+            log.info("%s received signal %d: leaving (no new work, finishing what it holds)", self.name, signum)
+            self.leaving.set()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
@@ -122,8 +137,34 @@ class WorkerLink:
             refused = True
         return refused
 
+    def _set_registered(self, registered: bool) -> None:
+        if registered:
+            self.registered.set()
+        else:
+            self.registered.clear()
+        self._publish_registered(registered)
+
+    def _publish_registered(self, registered: bool) -> None:
+        if self.state_dir:
+            path = os.path.join(self.state_dir, "registered")
+            if registered:
+                open(path, "w").close()
+            elif os.path.exists(path):
+                os.unlink(path)
+
+    def _touch_alive(self) -> None:
+        now = time.monotonic()
+        if self.state_dir and now - self._alive_at >= self.interval_s:
+            self._alive_at = now
+            path = os.path.join(self.state_dir, "alive")
+            with open(path, "a"):
+                os.utime(path)
+
+    def _leave(self, batch_ids: list[int]) -> None:
+        self.dealer.send(self.codec.encode(Leave(self.worker_id, batch_ids)))
+
     def _hello(self) -> None:
-        self.registered.clear()
+        self._set_registered(False)
         hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks)
         self.dealer.send(self.codec.encode(hello))
 
@@ -154,10 +195,20 @@ class WorkerLink:
         beater = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         beater.start()
         last_broker_s = time.monotonic()
+        left = False  # Leave sent
         try:
             while not self.stop.is_set():
+                self._touch_alive()
+                if self.leaving.is_set() and not left:
+                    left = True
+                    self._publish_registered(False)  # not ready; still registered (heartbeats go on)
+                    self._leave([])
+                    log.info("%s: told the broker it is leaving; finishing what it holds", self.worker_id)
                 if not self.dealer.poll(int(self.interval_s * 1000)):
                     if time.monotonic() - last_broker_s > self.liveness_s:
+                        if left:
+                            log.warning("%s: broker silent while leaving: exiting", self.worker_id)
+                            break
                         if self._refused():
                             log.error(
                                 "%s: the broker at %s refused this host's CURVE key (not in its authorized_keys_dir, "
@@ -176,7 +227,9 @@ class WorkerLink:
                 frames = self.dealer.recv_multipart(copy=False)
                 last_broker_s = time.monotonic()
                 msg = self.codec.decode(frames[0].buffer, "broker")
-                if isinstance(msg, Batch):
+                if isinstance(msg, Batch) and left:
+                    self._leave([msg.batch_id])  # crossed our Leave: back to the broker, unstarted
+                elif isinstance(msg, Batch):
                     self.busy = True
                     try:
                         answer = handle(msg, received(frames[1:], "the broker"))
@@ -189,9 +242,12 @@ class WorkerLink:
                     if on_abort is not None:
                         on_abort(msg.batch_ids)
                 elif isinstance(msg, Heartbeat):
-                    if not self.registered.is_set():
-                        self.registered.set()
+                    if not self.registered.is_set() and not left:
+                        self._set_registered(True)
                         log.info("%s registered", self.worker_id)
+                elif isinstance(msg, Reset) and left:
+                    log.info("%s: the broker forgot this leaving worker (%s): exiting", self.worker_id, msg.reason)
+                    break
                 elif isinstance(msg, Reset):
                     log.info("%s: broker asked to register again (%s)", self.worker_id, msg.reason)
                     if on_reset is not None:
@@ -208,6 +264,7 @@ class WorkerLink:
                     os._exit(EXIT_REPLACED)
         finally:
             self.stop.set()
+            self._set_registered(False)
             beater.join(timeout=2 * self.interval_s + 1)
             if self.monitor is not None:
                 self.dealer.disable_monitor()
@@ -313,7 +370,7 @@ def run_worker(
     if not computes_on_thread:
         _torch_threads(config.threads)  # the runner computes on this thread
     log.info("%s %s ready after %.1fs", role, config.name, time.monotonic() - started)
-    if not link.stop.is_set():
+    if not link.stop.is_set() and not link.leaving.is_set():  # SIGTERM while loading: nothing to leave
         runner = make_runner(model, link)
         link.serve(runner.run, getattr(runner, "abort", None), getattr(runner, "reset", None))
         close = getattr(runner, "close", None)

@@ -224,6 +224,16 @@ class Replace(Msg, tag=28):
     reason: str = ""
 
 
+class Leave(Msg, tag=29):
+    """Worker -> broker: "I am stopping (SIGTERM: a scale-down, a rollout)". The broker sends it no more work,
+    puts ``batch_ids`` (batches it received and will not start) back at the head of their queues without
+    counting an attempt, and answers Shutdown once the worker holds nothing; what it is computing, it
+    finishes. A worker sends Leave again for a Batch that crossed its first one."""
+
+    worker: str
+    batch_ids: list[int] = []
+
+
 class StepOutput(Msg, tag=27):
     """Generative engine -> broker: one message per engine step, for every sequence with news. A sequence
     is a batch of one (``batch_ids``); an entry with ``finished`` is its last, and carries the whole
@@ -268,6 +278,7 @@ Message = (
     | Abort
     | StepOutput
     | Replace
+    | Leave
 )
 
 
