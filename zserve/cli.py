@@ -111,6 +111,42 @@ def _supervisord_conf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _k8s(args: argparse.Namespace) -> int:
+    import yaml
+
+    from zserve.k8s import RenderOptions, header, plan, render
+
+    config = _load(args.config)
+    if config is None:
+        return 2
+    opts = RenderOptions(
+        image=args.image, name=args.name, namespace=args.namespace, prometheus=args.prometheus,
+        max_engines_factor=args.max_engines_factor, max_frontends=args.max_frontends, models_pvc=args.models_pvc,
+    )  # fmt: skip
+    try:
+        manifests = render(plan(config, opts), opts)
+    except ConfigError as exc:
+        print(f"zserve: {exc}", file=sys.stderr)
+        return 2
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: object) -> bool:
+            return True  # spell every repeated label set out: kubectl users read these files
+
+    def dump(manifest: dict) -> str:
+        return yaml.dump(manifest, Dumper=Dumper, sort_keys=False, width=1 << 16)
+
+    if args.output in (None, "-"):
+        sys.stdout.write(header(opts) + "".join(f"---\n{dump(m)}" for m in manifests))
+        return 0
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, m in enumerate(manifests):
+        (out / f"{i:02d}-{m['kind'].lower()}-{m['metadata']['name']}.yaml").write_text(header(opts) + dump(m))
+    print(f"wrote {len(manifests)} manifests to {out}; read a header before: kubectl apply -f {out}", file=sys.stderr)
+    return 0
+
+
 def _child(args: argparse.Namespace) -> int:
     from zserve.logs import setup_logging
     from zserve.supervisord import exec_child
@@ -224,6 +260,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conf.add_argument("--group", default="zserve", help="the supervisord group name (default: %(default)s)")
     conf.set_defaults(func=_supervisord_conf)
+
+    k8s = sub.add_parser(
+        "k8s",
+        help="render Kubernetes manifests for a deployment",
+        description="Print (or write one file per object into -o DIR) Kubernetes manifests for the deployment: "
+        "the config as a ConfigMap, the broker (one replica, Recreate) and its Service, per model a Deployment of "
+        "engines (GPUs from devices, CPU from threads) with a KEDA ScaledObject on the broker's queue, one of "
+        "stages, the frontends with a Service and an HPA, PodDisruptionBudgets. See docs/kubernetes.md.",
+    )
+    k8s.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
+    k8s.add_argument("-o", "--output", default=None, help="a directory for the manifests (default: standard output)")
+    k8s.add_argument("--image", default="zserve:latest", help="the container image (default: %(default)s)")
+    k8s.add_argument("--name", default="zserve", help="prefix of every object's name (default: %(default)s)")
+    k8s.add_argument("--namespace", default="", help="metadata.namespace (default: none, kubectl's)")
+    k8s.add_argument("--prometheus", default="http://prometheus-server.monitoring.svc:80",
+                     help="the Prometheus KEDA queries for queue depth (default: %(default)s)")  # fmt: skip
+    k8s.add_argument("--max-engines-factor", type=int, default=4,
+                     help="KEDA scales engines between engines and engines x this (default: %(default)s)")  # fmt: skip
+    k8s.add_argument("--max-frontends", type=int, default=8, help="the frontends' HPA ceiling (default: %(default)s)")
+    k8s.add_argument("--models-pvc", default="",
+                     help="a PersistentVolumeClaim with model weights, mounted read-only at /models")  # fmt: skip
+    k8s.set_defaults(func=_k8s)
 
     child = sub.add_parser(
         "child",
