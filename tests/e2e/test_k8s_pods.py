@@ -2,8 +2,10 @@
 process started from its container's command, args and environment (``$(VAR)`` expanded, ``configMapKeyRef``
 and ``fieldRef`` resolved), in a network namespace of its own on a bridge, with its volumes bind-mounted where
 the pod spec mounts them (the ConfigMap's files, the keys Secret's items, an emptyDir for /tmp) in a mount
-namespace of its own. Each Service is the address the test gives its pod, in every pod's /etc/hosts. Readiness
-is the pod's own probes (exec run inside the pod, httpGet and tcpSocket against its address).
+namespace of its own, as the pod's runAsUser with its fsGroup owning the volumes (where this machine's Python
+is reachable by that user; not when it lives under /root, 0700). Each Service is the address the test gives
+its pod, in every pod's /etc/hosts. Readiness is the pod's own probes (exec run inside the pod, httpGet and
+tcpSocket against its address).
 
 Under HTTP load through the frontend pod: an engine pod is deleted (SIGTERM, then SIGKILL after
 terminationGracePeriodSeconds), another added (a scale-up), and the broker pod killed and started again (a
@@ -131,6 +133,12 @@ def expand(text: str, env: dict[str, str]) -> str:
     )
 
 
+def _runs_as(as_user: list[str]) -> bool:
+    """Whether this machine's Python runs as that user (a pyenv under /root, mode 0700, does not)."""
+    again = "import os, sys; os.execv(sys.executable, [sys.executable, '-c', 'pass'])"  # as `zserve child` does
+    return subprocess.run([*as_user, sys.executable, "-c", again], capture_output=True, timeout=30).returncode == 0
+
+
 class Pod:
     """One replica of a Deployment's pod template, as a process."""
 
@@ -141,6 +149,11 @@ class Pod:
         self.dir.mkdir(parents=True)
         self.log = self.dir / "log"
         mounts = []
+        security = spec["securityContext"]  # the pod runs as its user, its volumes owned by its fsGroup
+        uid, gid, fs_group = security["runAsUser"], security["runAsGroup"], security["fsGroup"]
+        self.as_user = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={fs_group}", "--"]
+        if not _runs_as(self.as_user):
+            self.as_user = []
         volumes = {v["name"]: v for v in spec["volumes"]}
         for m in self.container["volumeMounts"]:
             v, src = volumes[m["name"]], self.dir / "volumes" / m["name"]
@@ -152,8 +165,12 @@ class Pod:
                 items = v["secret"].get("items") or [{"key": p.name, "path": p.name} for p in keys.iterdir()]
                 for item in items:
                     shutil.copy(keys / item["key"], src / item["path"])
+                    os.chown(src / item["path"], 0, fs_group)
+                    os.chmod(src / item["path"], v["secret"].get("defaultMode", 0o644))
             elif "persistentVolumeClaim" in v:
                 raise AssertionError("no PVC in this test")
+            else:  # emptyDir
+                os.chown(src, uid, fs_group)
             mounts.append((src, m["mountPath"]))
         env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "PYTHONPATH": str(SUPPORT)}
         for e in self.container.get("env", []):
@@ -170,7 +187,7 @@ class Pod:
         mounts.sort(key=lambda m: m[1] == "/tmp")
         binds = " && ".join(f"mkdir -p {shlex.quote(t)} && mount --bind {shlex.quote(str(s))} {shlex.quote(t)}"
                             for s, t in mounts)  # fmt: skip
-        script = f'{binds} && exec "$@"'
+        script = f'{binds} && exec {shlex.join(self.as_user)} "$@"'
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "sh", "-c", script, "pod", *argv], env=env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -183,7 +200,7 @@ class Pod:
         if self.proc.poll() is not None:
             return False
         if "exec" in p:  # inside the pod: its mounts and network
-            argv = ["nsenter", "-t", str(self.proc.pid), "-m", "-n", *p["exec"]["command"]]
+            argv = ["nsenter", "-t", str(self.proc.pid), "-m", "-n", *self.as_user, *p["exec"]["command"]]
             run = subprocess.run(argv, capture_output=True, timeout=10, env={"PATH": f"{VENV_BIN}:/usr/bin:/bin"})
             return run.returncode == 0
         port = self.port(p.get("httpGet", p.get("tcpSocket"))["port"])
