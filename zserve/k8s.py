@@ -192,6 +192,18 @@ class _Renderer:
             },
         }
 
+    def service(self, name: str, component: str, ports: dict[str, int]) -> dict[str, Any]:
+        """A Service for the pods of ``component``, each port named as its container's."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.meta(name, component),
+            "spec": {
+                "selector": self.labels(component),
+                "ports": [{"name": n, "port": p, "targetPort": n} for n, p in ports.items()],
+            },
+        }
+
     def pdb(self, name: str, component: str, model: str = "") -> dict[str, Any]:
         return {
             "apiVersion": "policy/v1",
@@ -250,16 +262,7 @@ class _Renderer:
         }
         pod = self.pod(container, volumes, stop_wait_s(self.config, "broker"))
         name = f"{self.name}-broker"
-        service = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self.meta(name, "broker"),
-            "spec": {
-                "selector": self.labels("broker"),
-                "ports": [{"name": n, "port": p, "targetPort": n} for n, p in ports.items()],
-            },
-        }
-        return [self.deployment(name, "broker", 1, pod, recreate=True), service]
+        return [self.deployment(name, "broker", 1, pod, recreate=True), self.service(name, "broker", ports)]
 
     def broker_ports(self) -> dict[str, int]:
         return {k: _port(e, PORTS[k]) for k, e in zip(PORTS, self.config.broker.remote_endpoints(), strict=True)}
@@ -407,15 +410,7 @@ class _Renderer:
         }
         pod = self.pod(container, volumes, stop_wait_s(self.config, "frontend"))
         name = f"{self.name}-frontend"
-        service = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self.meta(name, "frontend"),
-            "spec": {
-                "selector": self.labels("frontend"),
-                "ports": [{"name": "http", "port": f.port, "targetPort": "http"}],
-            },
-        }
+        service = self.service(name, "frontend", {"http": f.port})
         hpa = {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
