@@ -62,6 +62,15 @@ credits = 2
 timeout_ms = 60000
 [models.options]
 delay_s = 0.02
+
+[[models]]
+name = "staged"
+handler = "testmodels:Staged"
+engines = 1
+preprocess_workers = 1
+max_batch_size = 4
+max_wait_ms = 2
+timeout_ms = 60000
 """
 
 
@@ -326,7 +335,8 @@ class HttpLoad:
             i += 1
             self.sent += 1
             try:
-                conn.request("POST", "/v1/models/slow/predict", body=json.dumps({"id": body}),
+                model = ("slow", "staged")[caller % 3 == 2]  # a third of the callers through the stage pod
+                conn.request("POST", f"/v1/models/{model}/predict", body=json.dumps({"id": body}),
                              headers={"Content-Type": "application/json"})  # fmt: skip
                 response = conn.getresponse()
                 data = response.read()
@@ -358,8 +368,9 @@ def test_the_rendered_pods_serve_through_an_engine_deleted_added_and_a_broker_re
     broker = k8s.start("zserve-broker", broker_address)
     broker.wait_ready()
     engines = [k8s.start("zserve-engine-slow") for _ in range(2)]
+    staged = [k8s.start("zserve-engine-staged"), k8s.start("zserve-stage-staged")]
     frontend = k8s.start("zserve-frontend")
-    for pod in [*engines, frontend]:
+    for pod in [*engines, *staged, frontend]:
         pod.wait_ready(timeout_s=90)
     load = HttpLoad(frontend.address, 8080)
     try:
@@ -372,13 +383,18 @@ def test_the_rendered_pods_serve_through_an_engine_deleted_added_and_a_broker_re
 
         added = k8s.start("zserve-engine-slow")  # a scale-up
         added.wait_ready(timeout_s=90)
+        stage = k8s.start("zserve-stage-staged")  # a stage pod replaced, as a rollout does: the new one first
+        stage.wait_ready(timeout_s=90)
+        code, took_s = staged[1].delete()
+        assert code == 0 and took_s < 4, (code, took_s, staged[1].output()[-2000:])
+        staged[1] = stage
         load.wait_for(len(load.ok) + 100)
 
         first_broker = broker
         broker.kill()  # the node is lost; a Recreate Deployment starts a new pod behind the same Service
         broker = k8s.start("zserve-broker", broker_address)
         broker.wait_ready()
-        for pod in (engines[1], added, frontend):
+        for pod in (engines[1], added, *staged, frontend):
             pod.wait_ready(timeout_s=30)  # registered with the new broker again
         load.wait_for(len(load.ok) + 100)
     except BaseException:
