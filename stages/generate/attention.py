@@ -34,39 +34,81 @@ class StepMeta:
     tables: list[torch.Tensor]  # [N] each sequence's block table (int32, its blocks so far)
     slot_rows: list[torch.Tensor]  # [N] each sequence's KV slots (int64, context_lens[i] long)
 
-    def block_tables(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, max blocks] int32, padded with 0: what a paged kernel's ``block_table`` argument takes."""
-        return torch.nn.utils.rnn.pad_sequence(self.tables, batch_first=True).to(device, non_blocking=True)
-
-    def for_torch(self, device: torch.device, batched_decode: bool) -> TorchStep:
-        """The torch backend's inputs on ``device`` (built once per step, used by every layer)."""
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-        d = self.num_decodes
-        decode_rows = self.query_start[:d]
-        padded = None
-        if d and batched_decode:
-            slots = torch.nn.utils.rnn.pad_sequence(self.slot_rows[:d], batch_first=True)
-            lengths = torch.tensor(self.context_lens[:d])
-            mask = (torch.arange(slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).view(d, 1, 1, -1)
-            padded = (move(torch.tensor(decode_rows)), move(slots), move(mask))
-        prefills = []
-        for i in range(d, len(self.context_lens)):
-            start, end, length = self.query_start[i], self.query_start[i + 1], self.context_lens[i]
-            n = end - start
-            mask = None
-            if n < length:  # a later chunk of a prompt sees everything before it, and itself causally
-                mask = move(torch.arange(length).unsqueeze(0) <= torch.arange(length - n, length).unsqueeze(1))
-            prefills.append((start, end, move(self.tables[i]), length, mask))
+    def for_torch(
+        self, device: torch.device, batched_decode: bool, upload: Uploader, ids: torch.Tensor,
+        positions: torch.Tensor, sample_rows: list[int],
+    ) -> tuple[TorchStep, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The torch backend's inputs on ``device`` (built once per step, used by every layer), and the step's
+        ``ids``, ``positions`` [T] and sampled rows there: every host tensor goes up in one ``upload``; the
+        masks are built on the device from the lengths (no copy)."""
+        d, n_seqs = self.num_decodes, len(self.context_lens)
+        host = [ids, positions, torch.tensor(sample_rows, dtype=torch.long), self.slot_mapping]
+        padded = d and batched_decode
+        if padded:
+            host += [torch.tensor(self.query_start[:d]), torch.nn.utils.rnn.pad_sequence(self.slot_rows[:d], True),
+                     torch.tensor(self.context_lens[:d])]  # fmt: skip
+        elif d:
+            host += self.tables[:d]
+        host += self.tables[d:]
+        moved = upload(host)
+        ids, positions, rows, write_slots = moved[:4]
+        moved = moved[4:]
+        decode_padded = None
+        if padded:
+            decode_rows, slots, lengths = moved[:3]
+            moved = moved[3:]
+            mask = torch.arange(slots.shape[1], device=device).unsqueeze(0) < lengths.unsqueeze(1)
+            decode_padded = (decode_rows, slots, mask.view(d, 1, 1, -1))
         decodes, tables, lengths = [], None, None
         if d and not padded:
-            decodes = [(decode_rows[i], move(self.tables[i]), self.context_lens[i]) for i in range(d)]
+            decodes = [(self.query_start[i], moved[i], self.context_lens[i]) for i in range(d)]
+            moved = moved[d:]
             if device.type == "cpu":  # the native kernel's inputs (native.py)
                 tables = torch.nn.utils.rnn.pad_sequence(self.tables[:d], batch_first=True)
                 lengths = torch.tensor(self.context_lens[:d], dtype=torch.int32)
-        return TorchStep(self.block_size, move(self.slot_mapping), decodes, padded, prefills, tables, lengths)
+        prefills = []
+        for i, table in zip(range(d, n_seqs), moved, strict=True):
+            start, end, length = self.query_start[i], self.query_start[i + 1], self.context_lens[i]
+            mask = None
+            if end - start < length:  # a later chunk of a prompt sees everything before it, and itself causally
+                keys = torch.arange(length, device=device)
+                mask = keys.unsqueeze(0) <= keys[length - (end - start) :].unsqueeze(1)
+            prefills.append((start, end, table, length, mask))
+        step = TorchStep(self.block_size, write_slots, decodes, decode_padded, prefills, tables, lengths)
+        return step, ids, positions, rows
+
+
+class Uploader:
+    """A step's host tensors to the device in one copy: packed into one int64 staging buffer (pinned on CUDA,
+    kept and grown as needed), copied without blocking, split into views of their shapes and dtypes there.
+    On a CPU there is nothing to copy (``pack`` False: the tensors come back as they are); ``pack`` True on a
+    CPU runs the packing anyway, so that the CPU suite tests what a GPU runs."""
+
+    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
+        self.device = device
+        self.pack = device.type != "cpu" if pack is None else pack
+        self.uploads = 0  # copies made (one per step)
+        self._staging = torch.empty(0, dtype=torch.long)
+        self._copied = None  # CUDA: the event after the last copy, waited for before the buffer is rewritten
+
+    def __call__(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.pack:
+            return parts
+        sizes = [p.numel() for p in parts]
+        total = sum(sizes)
+        if self._staging.numel() < total:
+            pinned = self.device.type == "cuda"
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.long, pin_memory=pinned)
+        elif self._copied is not None:  # a step that sampled nothing did not wait for its copy
+            self._copied.synchronize()
+        flat = self._staging[:total]
+        torch.cat([p.reshape(-1) for p in parts], out=flat)  # int32 tables widen to int64 here
+        moved = flat.to(self.device, non_blocking=True) if self.device.type != "cpu" else flat.clone()
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.uploads += 1
+        return [v.view(p.shape).to(p.dtype) for v, p in zip(moved.split(sizes), parts, strict=True)]
 
 
 @dataclass(slots=True)

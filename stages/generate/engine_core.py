@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from zserve.stages.generate.attention import PagedKVCache, StepMeta
+from zserve.stages.generate.attention import PagedKVCache, StepMeta, Uploader
 from zserve.stages.generate.block_manager import BlockManager
 from zserve.stages.generate.llama import LlamaFamily
 from zserve.stages.generate.sampler import Sampler
@@ -92,6 +92,7 @@ class EngineCore:
         self.sequences: dict[int, Sequence] = {}
         self._stats = EngineStats()
         self._block_slots = torch.arange(block_size)  # slot offsets inside a block
+        self.upload = Uploader(self.device)  # a step's inputs to the device, one copy
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (prompt + new) can ever fit the KV pool."""
@@ -176,9 +177,13 @@ class EngineCore:
         chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
         ids, positions, meta, sample_rows = self._meta(chunks)
         if self.tensor_parallel is not None:
-            logits = self.tensor_parallel.forward(self.model, ids, positions, meta, sample_rows, self.batched_decode)
+            logits = self.tensor_parallel.forward(
+                self.model, ids, positions, meta, sample_rows, self.batched_decode, self.upload
+            )
         else:
-            logits = forward(self.model, ids, positions, meta, sample_rows, batched_decode=self.batched_decode)
+            logits = forward(
+                self.model, ids, positions, meta, sample_rows, batched_decode=self.batched_decode, upload=self.upload
+            )
         stats = self._stats
         stats.steps += 1
         stats.batch_tokens = ids.shape[1]
@@ -224,19 +229,20 @@ def paged_cache_for(
     return cache
 
 
-def forward(model, ids, positions, meta: StepMeta, sample_rows: list[int], *, batched_decode: bool) -> torch.Tensor:
-    """One step's forward pass over the packed row: the logits of the ``sample_rows``."""
-    device = model.device
-    rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
+def forward(
+    model, ids, positions, meta: StepMeta, sample_rows: list[int], *, batched_decode: bool, upload: Uploader
+) -> torch.Tensor:
+    """One step's forward pass over the packed row: the logits of the ``sample_rows``. ``ids`` and
+    ``positions`` are [1, T] on the host; they and the step's metadata reach the device in one ``upload``."""
+    step, ids, positions, rows = meta.for_torch(model.device, batched_decode, upload, ids[0], positions[0], sample_rows)
     if isinstance(model, LlamaFamily):
-        step = meta.for_torch(device, batched_decode)
-        return model(ids[0].to(device), positions[0].to(device), step, rows)
+        return model(ids, positions, step, rows)
     return model(
-        input_ids=ids.to(device),
-        position_ids=positions.to(device),
+        input_ids=ids.unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
         use_cache=False,
         logits_to_keep=rows,
-        zserve_meta=meta.for_torch(device, batched_decode),
+        zserve_meta=step,
     ).logits[0]
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zserve.stages.generate.attention import StepMeta
+from zserve.stages.generate.attention import StepMeta, Uploader
 from zserve.stages.generate.engine_core import forward, kv_heads, paged_cache_for
 
 log = logging.getLogger("zserve.tensor_parallel")
@@ -154,13 +154,13 @@ class TensorParallelGroup:
 
     def forward(
         self, model: Any, ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta, sample_rows: list[int],
-        batched_decode: bool,
+        batched_decode: bool, upload: Uploader,
     ) -> torch.Tensor:  # fmt: skip
         """One step on every rank; rank 0's logits. Any failure here leaves the ranks out of step (a follower
         may wait in a collective forever), so it ends the process: the supervisor restarts the group."""
         try:
             self._send_step(ids, positions, meta, sample_rows)
-            return forward(model, ids, positions, meta, sample_rows, batched_decode=batched_decode)
+            return forward(model, ids, positions, meta, sample_rows, batched_decode=batched_decode, upload=upload)
         except Exception:
             log.exception("tensor parallel step failed: the group is out of step, exiting")
             logging.shutdown()
@@ -229,9 +229,10 @@ def follow(rank: int, spec: GroupSpec) -> None:
     dist.broadcast(sizes, 0, group=control)
     num_blocks, block_size, batched_decode, native_decode = sizes.tolist()
     paged_cache_for(model, num_blocks, block_size, spec.size, native_decode=bool(native_decode))
+    upload = Uploader(model.device)
     with torch.inference_mode():
         while (step := receive_step(control, block_size)) is not None:
-            forward(model, *step, batched_decode=bool(batched_decode))
+            forward(model, *step, batched_decode=bool(batched_decode), upload=upload)
     dist.destroy_process_group()
 
 
