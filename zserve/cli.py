@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--prometheus", default="http://prometheus-server.monitoring.svc:80",
                      help="the Prometheus KEDA queries for queue depth (default: %(default)s)")  # fmt: skip
     k8s.add_argument("--max-engines-factor", type=int, default=4,
-                     help="KEDA scales engines between engines and engines x this (default: %(default)s)")  # fmt: skip
+                     help="engines (KEDA), stages (HPA): up to this x configured (default: %(default)s)")  # fmt: skip
     k8s.add_argument("--max-frontends", type=int, default=8, help="the frontends' HPA ceiling (default: %(default)s)")
     k8s.add_argument("--models-pvc", default="",
                      help="a PersistentVolumeClaim with model weights, mounted read-only at /models")  # fmt: skip

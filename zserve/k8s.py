@@ -14,9 +14,9 @@ One pod per process `zserve up` would start, each joining the broker over CURVE 
 - probes: the broker's ports, the frontends' ``/readyz`` and ``/healthz``, and a worker's registration
   (the file ``stages/runtime.py`` keeps while the broker knows it);
 - PodDisruptionBudgets, ``terminationGracePeriodSeconds`` as `zserve up` and supervisord allow each role;
-- autoscaling: an HPA on CPU for the frontends; for each model's engines a KEDA ScaledObject whose
-  Prometheus trigger reads the broker's queue depth and in-flight items for that model (docs/kubernetes.md
-  says why KEDA and not an HPA on an external metric).
+- autoscaling: HPAs on CPU for the frontends and each model's stages; for each model's engines a KEDA
+  ScaledObject whose Prometheus trigger reads the broker's queue depth and in-flight items for that model
+  (docs/kubernetes.md says why KEDA and not an HPA on an external metric).
 
 ``render`` is pure (a plan in, manifests out: dicts, in apply order); reading the file, importing the
 handlers and writing YAML is the command's job.
@@ -335,7 +335,24 @@ class _Renderer:
         out = [deployment, self.pdb(name, component, model.name)]
         if role == "engine":
             out.append(self.scaled_object(name, model))
+        else:  # a stage is CPU work alone: CPU utilisation measures it
+            out.append(self.cpu_hpa(name, component, replicas, replicas * self.opts.max_engines_factor, model.name))
         return out
+
+    def cpu_hpa(self, name: str, component: str, least: int, most: int, model: str = "") -> dict[str, Any]:
+        """An HPA on the pods' CPU use against their requests (70%)."""
+        target = {"type": "Utilization", "averageUtilization": 70}
+        return {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": self.meta(name, component, model),
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                "minReplicas": least,
+                "maxReplicas": most,
+                "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": target}}],
+            },
+        }
 
     def scaled_object(self, deployment: str, model: ModelConfig) -> dict[str, Any]:
         """KEDA: engines = ceil((queued + in-flight items) / what one engine holds at full credit). Queue depth
@@ -411,22 +428,7 @@ class _Renderer:
         pod = self.pod(container, volumes, stop_wait_s(self.config, "frontend"))
         name = f"{self.name}-frontend"
         service = self.service(name, "frontend", {"http": f.port})
-        hpa = {
-            "apiVersion": "autoscaling/v2",
-            "kind": "HorizontalPodAutoscaler",
-            "metadata": self.meta(name, "frontend"),
-            "spec": {
-                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-                "minReplicas": 1,
-                "maxReplicas": max(1, self.opts.max_frontends),
-                "metrics": [
-                    {
-                        "type": "Resource",
-                        "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
-                    }
-                ],
-            },
-        }
+        hpa = self.cpu_hpa(name, "frontend", 1, max(1, self.opts.max_frontends))
         deployment = self.deployment(name, "frontend", 1, pod)
         # Prometheus' common scrape annotations: KEDA's queries read the broker's figures from /metrics here
         scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(f.port), "prometheus.io/path": "/metrics"}

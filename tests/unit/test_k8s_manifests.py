@@ -216,8 +216,10 @@ def test_frontends_service_probes_keys_and_autoscalers():
     assert settings["client_endpoint"] == "tcp://zserve-broker:5555"
     assert settings["api_keys_file"] == "/var/run/zserve/api-keys/api_keys"
     assert by_kind(objs, "Service")["zserve-frontend"]["spec"]["ports"][0]["port"] == 8080
-    hpa = by_kind(objs, "HorizontalPodAutoscaler")["zserve-frontend"]
-    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    hpas = by_kind(objs, "HorizontalPodAutoscaler")
+    assert hpas["zserve-frontend"]["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    stage = hpas["zserve-stage-mini-lm-v2"]["spec"]  # stages scale on CPU too, from their configured count
+    assert (stage["minReplicas"], stage["maxReplicas"]) == (2, 8) and "zserve-engine-echo" not in hpas
     scaled = by_kind(objs, "ScaledObject")
     assert set(scaled) == {f"zserve-engine-{n}" for n in ("echo", "mini-lm-v2", "classifier", "reranker", "vit", "lm")}
     echo = scaled["zserve-engine-echo"]["spec"]
