@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--requests-per-caller", type=int, default=1)
     p.add_argument("--zserve-threads", default="2", help="torch threads of zserve's engine, one leg each")
+    p.add_argument(
+        "--zserve-model-impl", default="auto", help="zserve's model_impl (auto, zserve, transformers), one leg each"
+    )
     p.add_argument("--sampled-at", type=int, default=0, help="also run this concurrency sampled (top_p 0.9)")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -289,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 import zserve
 
                 tokens = args.max_prompt + args.max_output
-                options = gen_zserve.engine_options(path, "float32", args.max_num_seqs, tokens, args.max_batched_tokens)
-                for threads in args.zserve_threads:
-                    label = f"zserve-{threads}t"
+                base = gen_zserve.engine_options(path, "float32", args.max_num_seqs, tokens, args.max_batched_tokens)
+                for impl, threads in [(i, t) for i in args.zserve_model_impl.split(",") for t in args.zserve_threads]:
+                    label = f"zserve-{threads}t" + ("" if impl == "auto" else f"-{impl}")
+                    options = base | {"model_impl": impl}
                     client = zserve.serve(
                         gen_zserve.HANDLER,
                         name=SERVED,
