@@ -58,6 +58,9 @@ class Broker:
         )
         self.codec = Codec()
         self.stopping = False
+        # ZSERVE_BROKER_STOP=handover (`zserve k8s` sets it): SIGTERM means this broker is being replaced
+        # behind the same address, not that the deployment stops (BrokerCore.start_draining)
+        self.handover = os.environ.get("ZSERVE_BROKER_STOP", "drain") == "handover"
         self.ctx = zmq.Context()
         self.client = make_socket(self.ctx, zmq.ROUTER, endpoints.client, bind=True, mandatory=True)
         self.work = make_socket(self.ctx, zmq.ROUTER, endpoints.work, bind=True, mandatory=True)
@@ -150,7 +153,7 @@ class Broker:
         while True:
             now = time.monotonic()
             if self.stopping:
-                core.start_draining(now)
+                core.start_draining(now, handover=self.handover)
             if core.drained(now):
                 break
             timeout_ms = max(0, int(core.next_wakeup_s(now) * 1000.0 + 0.999))  # round up: early only spins

@@ -141,6 +141,7 @@ class BrokerCore:
         self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
         self.requests = RequestTable()
         self.draining_since: float | None = None
+        self.handing_over = False  # stopping to be replaced (a pod's SIGTERM): see start_draining
         self._last_heartbeat_s = float("-inf")
         self._to_clients: dict[bytes, _ClientOut] = {}
         self._client_misc: list[ClientSend] = []
@@ -221,6 +222,8 @@ class BrokerCore:
         submit = self.scheduler.submit
         stats = self.stats
         draining = self.draining_since is not None
+        if self.handing_over:
+            return  # unanswered: the client resubmits it to the broker that replaces this one
         offset = 0
         for item, count in zip(items, frame_counts, strict=True):
             payload = frames[offset : offset + count]
@@ -626,6 +629,8 @@ class BrokerCore:
         return kills
 
     def dispatch(self, now: float) -> None:
+        if self.handing_over:
+            return
         for d in self.scheduler.pop_batches(now):
             if d.prepared is not None:
                 header, frames = self._prepared_batch(d)
@@ -686,7 +691,7 @@ class BrokerCore:
         return HealthReport(
             query_id,
             self.epoch,
-            self.draining_since is not None,
+            self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
             [self._model_health(m.name) for m in self.config.models],
         )
 
@@ -726,19 +731,34 @@ class BrokerCore:
             workers_hung=stats.workers_hung,
         )
 
-    def start_draining(self, now: float) -> None:
+    def start_draining(self, now: float, handover: bool = False) -> None:
+        """Stop. ``handover=False`` (`zserve up` stopping): refuse new requests (SHUTTING_DOWN), finish the
+        pending ones, then tell the workers to exit. ``handover=True`` (a broker pod replaced: the clients and
+        workers stay): take nothing new and dispatch nothing more, finish only the batches workers hold, then go
+        without a word: each client resubmits its unanswered requests to the next broker at this address, and
+        the workers register with it."""
         if self.draining_since is None:
             self.draining_since = now
-            log.info("draining: %d requests to finish, refusing new ones", len(self.requests))
+            self.handing_over = handover
+            if handover:
+                log.info("handing over: finishing the batches workers hold; %d requests are left to their clients "
+                         "to resubmit to the next broker", len(self.requests))  # fmt: skip
+            else:
+                log.info("draining: %d requests to finish, refusing new ones", len(self.requests))
 
     def drained(self, now: float) -> bool:
-        """Draining and done: nothing pending, or the drain timeout passed."""
-        return self.draining_since is not None and (
-            not self.requests or now - self.draining_since > self.config.broker.drain_timeout_s
-        )
+        """Draining and done: nothing pending (handing over: nothing in a worker), or the drain timeout passed."""
+        if self.draining_since is None:
+            return False
+        if now - self.draining_since > self.config.broker.drain_timeout_s:
+            return True
+        return not self.pool.in_flight_total() if self.handing_over else not self.requests
 
     def shut_down(self) -> None:
-        """Answer whatever is still pending and tell every worker to exit (then ``flush``)."""
+        """Answer whatever is still pending and tell every worker to exit (then ``flush``); handing over, do
+        neither (see ``start_draining``)."""
+        if self.handing_over:
+            return
         for request in self.requests.all():
             self._reply(request, Status.SHUTTING_DOWN, "the server shut down before this request finished")
         for worker_id in self.pool.workers:

@@ -167,6 +167,10 @@ class WorkerPool:
     def credit_total(self, model: str, role: str = ENGINE) -> int:
         return sum(w.credits for w in self._serving(model, role))
 
+    def in_flight_total(self) -> int:
+        """Batches (and sequences) held by workers, over every model."""
+        return len(self._batches)
+
     def in_flight_items(self, model: str) -> int:
         return sum(len(b.item_ids) for b in self._batches.values() if b.model == model)
 

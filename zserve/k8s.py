@@ -253,7 +253,8 @@ class _Renderer:
             "name": "broker",
             "image": self.opts.image,
             "args": ["child", "-c", CONFIG_PATH, "broker"],
-            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+            # SIGTERM means a new broker pod replaces this one: hand the queue back to the clients, no refusals
+            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "ZSERVE_BROKER_STOP", "value": "handover"}],
             "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
             "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},  # one poll loop: one core
             "readinessProbe": tcp,

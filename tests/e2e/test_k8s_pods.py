@@ -8,8 +8,9 @@ its pod, in every pod's /etc/hosts. Readiness is the pod's own probes (exec run 
 tcpSocket against its address).
 
 Under HTTP load through the frontend pod: an engine pod is deleted (SIGTERM, then SIGKILL after
-terminationGracePeriodSeconds), another added (a scale-up), and the broker pod killed and started again (a
-Recreate rollout, a lost node): every request is answered exactly once, with its own result. Skipped, saying
+terminationGracePeriodSeconds), another added (a scale-up), a stage pod replaced, the broker pod deleted and
+a new one started (a Recreate rollout), then killed and started again (a lost node): every request is
+answered exactly once, with its own result. Skipped, saying
 why, where network namespaces or bind mounts cannot be made (root and CAP_SYS_ADMIN/CAP_NET_ADMIN needed)."""
 
 from __future__ import annotations
@@ -391,11 +392,19 @@ def test_the_rendered_pods_serve_through_an_engine_deleted_added_and_a_broker_re
         load.wait_for(len(load.ok) + 100)
 
         first_broker = broker
-        broker.kill()  # the node is lost; a Recreate Deployment starts a new pod behind the same Service
+        code, took_s = broker.delete()  # a rollout (Recreate): the old pod goes first, handing its queue back
+        assert code == 0 and took_s < 4, (code, took_s, broker.output()[-2000:])
+        broker = k8s.start("zserve-broker", broker_address)  # the new pod, behind the same Service
+        broker.wait_ready()
+        for pod in (engines[1], added, *staged, frontend):
+            pod.wait_ready(timeout_s=30)  # registered with the new broker
+        load.wait_for(len(load.ok) + 100)
+
+        broker.kill()  # the node is lost
         broker = k8s.start("zserve-broker", broker_address)
         broker.wait_ready()
         for pod in (engines[1], added, *staged, frontend):
-            pod.wait_ready(timeout_s=30)  # registered with the new broker again
+            pod.wait_ready(timeout_s=30)
         load.wait_for(len(load.ok) + 100)
     except BaseException:
         for pod in k8s.pods:  # shown by pytest with the failure
@@ -406,4 +415,5 @@ def test_the_rendered_pods_serve_through_an_engine_deleted_added_and_a_broker_re
     assert not load.wrong, load.wrong[:5]
     assert len(load.ok) == len(set(load.ok)) == load.sent  # each request answered once, with its result
     assert re.search(r"worker engine-slow@zserve-engine-slow-\d+:\d+ left", first_broker.output())
+    assert "handing over" in first_broker.output()
     assert "worker engine-slow@" in broker.output(), broker.output()[-3000:]  # the workers joined the new broker

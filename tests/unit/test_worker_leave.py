@@ -1,12 +1,13 @@
 """Scale-down without loss, in the broker core: a worker that says Leave gets no more work, what it hands
 back is queued again with no attempt counted, it finishes what it computes, and is dismissed (Shutdown)
-once it holds nothing. Driven by a fake clock, as test_broker_core."""
+once it holds nothing. A broker handing over (a broker pod replaced) finishes what workers hold and leaves
+the rest to the clients. Driven by a fake clock, as test_broker_core."""
 
 from __future__ import annotations
 
 from test_broker_core import batches, hello, make, replies, result, submit
 
-from zserve.protocol import Leave, Shutdown, Status
+from zserve.protocol import Leave, Replies, Shutdown, Status
 
 
 def shutdowns(work) -> list[bytes]:
@@ -76,3 +77,26 @@ def test_a_leaving_worker_that_dies_is_lost_as_any_other_and_an_unknown_one_is_d
     assert b"w1" not in core.pool.workers and core.requests.get(1).attempts == 1
     core.on_work(b"gone", Leave("gone"), 1.0)
     assert shutdowns(core.flush()[1]) == [b"gone"]
+
+
+def test_a_broker_handing_over_finishes_what_workers_hold_and_leaves_the_queue_to_its_clients():
+    core = make()
+    hello(core, b"w1", credits=1)
+    submit(core, b"a", [1, 2, 3, 4])
+    core.tick(0.0)
+    [b] = batches(core.flush()[1])
+    submit(core, b"a", [5, 6], now=0.001)  # queued behind it
+    core.start_draining(0.002, handover=True)
+    assert core.health(1).draining is False  # nothing is refused: the frontends stay ready
+    submit(core, b"a", [7], now=0.003)  # arrives while handing over: not answered, not queued
+    core.tick(0.003)
+    clients, work = core.flush()
+    assert batches(work) == [] and replies(clients, b"a") == []  # nothing new dispatched, nothing refused
+    assert not core.drained(0.004)  # w1 still holds a batch
+    core.on_out(*result(b.header, b"w1"), now=0.01)
+    assert core.drained(0.01)
+    core.shut_down()
+    clients, work = core.flush()
+    answered = [r.req_id for r, _ in replies(clients, b"a")]
+    assert answered == [1, 2, 3, 4] and shutdowns(work) == []  # 5, 6, 7 stay with the client; w1 stays
+    assert not [c for c in clients if isinstance(c.header, Replies) and 5 in [r.req_id for r in c.header.items]]
