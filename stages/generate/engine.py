@@ -79,7 +79,10 @@ class GenerativeEngine:
         self.max_new_tokens = options.max_new_tokens
         self.tensor_parallel = tensor_parallel
         tp = tensor_parallel.size if tensor_parallel else 1
-        num_blocks = options.num_blocks or pool_blocks(model, options.kv_cache_bytes, options.block_size, tp)
+        num_blocks = options.num_blocks
+        if not num_blocks:
+            peak = step_peak_bytes(model, options) if tensor_parallel is None else 0
+            num_blocks = pool_blocks(model, options.kv_cache_bytes, options.block_size, tp, peak)
         self.core = EngineCore(
             model, num_blocks=num_blocks, block_size=options.block_size,
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
@@ -213,9 +216,41 @@ class GenerativeEngine:
         ]
 
 
-def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int, tensor_parallel: int = 1) -> int:
-    """KV blocks in ``kv_cache_bytes`` per rank (0: 1 GiB on a CPU, 90% of the free device memory on a GPU);
-    under tensor parallelism a rank holds 1/N of each block's heads."""
+def step_peak_bytes(model: Any, options: EngineOptions) -> int:
+    """On CUDA, the memory a step takes beyond the weights, measured (as vLLM and nano-vllm do) on one whole
+    prompt of ``max_batched_tokens`` through a throwaway core: what the KV pool must leave free. Elsewhere 0
+    (a CPU's pool has its own budget)."""
+    if model.device.type != "cuda":
+        return 0
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    warm_step(model, options)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()  # what the warm-up cached goes back, so mem_get_info sees it free
+    return peak
+
+
+def warm_step(model: Any, options: EngineOptions) -> None:
+    """One step over a whole prompt of ``max_batched_tokens`` (capped at the model's context) on a throwaway
+    core and KV pool just big enough for it; the real core plugs its own cache in afterwards."""
+    n = min(options.max_batched_tokens, int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30) - 1)
+    core = EngineCore(
+        model, num_blocks=-(-n // options.block_size) + 1, block_size=options.block_size, max_batched_tokens=n,
+        chunked_prefill=False, prefix_caching=False, native_decode=options.cpu_attention == "native",
+    )  # fmt: skip
+    core.add(0, [0] * n, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    while core.has_work():
+        core.step()
+
+
+def pool_blocks(
+    model: Any, kv_cache_bytes: int, block_size: int, tensor_parallel: int = 1, step_peak_bytes: int = 0
+) -> int:
+    """KV blocks in ``kv_cache_bytes`` per rank (0: 1 GiB on a CPU; on a GPU 90% of the free device memory less
+    ``step_peak_bytes``, what a step needs beside the pool); under tensor parallelism a rank holds 1/N of each
+    block's heads."""
     c = model.config
     per_block = 2 * c.num_hidden_layers * (kv_heads(c) // tensor_parallel) * head_dim(c) * model.dtype.itemsize
     per_block *= block_size
@@ -223,7 +258,12 @@ def pool_blocks(model: Any, kv_cache_bytes: int, block_size: int, tensor_paralle
     if not budget:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(free * _GPU_MEMORY_FRACTION)
+            budget = int(free * _GPU_MEMORY_FRACTION) - step_peak_bytes
+            if budget < per_block:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache: {free >> 20} MiB free after the weights, a step of "
+                    f"max_batched_tokens takes {step_peak_bytes >> 20} MiB (lower max_batched_tokens or the dtype)"
+                )
         else:
             budget = _CPU_KV_CACHE_BYTES
     return max(1, budget // per_block)

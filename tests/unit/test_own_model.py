@@ -12,6 +12,7 @@ import torch
 from test_engine_core import expected, prompts
 
 from zserve.stages.generate import cpu_linear
+from zserve.stages.generate.engine import EngineOptions, warm_step
 from zserve.stages.generate.engine_core import EngineCore
 from zserve.stages.generate.llama import LlamaFamily, own_model, unsupported
 from zserve.stages.generate.sequence import SamplingParams
@@ -118,6 +119,17 @@ def test_shared_prefixes_under_preemption_equal_generate(family):
     assert engine.scheduler.preemptions > 0 and engine.stats.cached_tokens > 0
     for i, prompt in enumerate(batch):
         assert produced[i] == expected(reference, prompt, 8), f"{name}: sequence {i}"
+
+
+@pytest.mark.parametrize("impl", ["zserve", "transformers"])
+def test_the_warm_up_step_that_sizes_a_gpu_pool_leaves_the_model_to_the_real_core(impl):
+    reference = tiny("qwen3-gqa")
+    model = own_model(copy.deepcopy(reference), impl)
+    warm_step(model, EngineOptions(block_size=8, max_batched_tokens=96))  # GenerativeEngine's, before its pool
+    engine = EngineCore(model, num_blocks=64, block_size=8, max_batched_tokens=64)
+    batch = prompts(4, seed=2)
+    produced = run(engine, batch, 6, every=0)
+    assert [produced[i] for i in range(4)] == [expected(reference, p, 6) for p in batch]
 
 
 def test_other_architectures_fall_back_and_zserve_refuses_them():
