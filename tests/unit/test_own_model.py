@@ -14,7 +14,7 @@ from test_engine_core import expected, prompts
 from zserve.stages.generate import cpu_linear
 from zserve.stages.generate.engine import EngineOptions, warm_step
 from zserve.stages.generate.engine_core import EngineCore
-from zserve.stages.generate.llama import LlamaFamily, own_model, unsupported
+from zserve.stages.generate.llama import LlamaFamily, own_model, rms_norm, unsupported
 from zserve.stages.generate.sequence import SamplingParams
 
 _SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512)
@@ -130,6 +130,17 @@ def test_the_warm_up_step_that_sizes_a_gpu_pool_leaves_the_model_to_the_real_cor
     batch = prompts(4, seed=2)
     produced = run(engine, batch, 6, every=0)
     assert [produced[i] for i in range(4)] == [expected(reference, p, 6) for p in batch]
+
+
+def test_the_fused_rms_norm_is_hugging_faces_bit_for_bit_in_fp32():
+    torch.manual_seed(0)
+    for dim in (16, 64, 128, 576, 960, 4096):
+        for rows in (1, 17, 64):
+            for scale in (1e-3, 1.0, 30.0):
+                x, w = torch.randn(rows, 5, dim) * scale, torch.randn(dim)
+                h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # HF's LlamaRMSNorm in fp32
+                assert torch.equal(rms_norm(x, w, 1e-6), w * h)
+                assert torch.equal(rms_norm(x, w.expand(5, dim), 1e-6), w * h)  # Qwen3's merged q/k norms
 
 
 def test_other_architectures_fall_back_and_zserve_refuses_them():
