@@ -3,9 +3,12 @@
 attention, and the rest (norms, rotary, SiLU, embedding, metadata, sampling, Python and dispatch), at a few
 batch sizes, for each ``model_impl`` (zserve's own Llama-family code against Hugging Face's modules).
 
-B sequences of ``--prompt`` tokens are prefilled, then ``--steps`` decode steps are timed; the products and
+B sequences of ``--prompt`` tokens are prefilled in each impl's engine, then ``--steps`` decode steps are timed,
+the engines taking turns; the products and
 the attention are timed by wrapping ``PackedLinear``/``nn.Linear`` and ``PagedKVCache.attend`` (two clock
-reads per call, ~0.1 ms per step on SmolLM2's 30 layers). One torch thread unless ``--threads``.
+reads per call, ~0.1 ms per step on SmolLM2's 30 layers). One torch thread unless ``--threads``; with one,
+the clock is the thread's CPU time (``time.thread_time``: all the work runs on the calling thread, and other
+processes on a shared machine do not count), else the wall clock.
 
     flock /tmp/zserve-cpu.lock .venv/bin/python bench/gen_step.py                 # SmolLM2-135M, B 1,8,32
     .venv/bin/python bench/gen_step.py --model tiny --batch 1,4 --steps 3         # a smoke run
@@ -18,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +40,7 @@ from zserve.stages.generate.sequence import SamplingParams
 class _Clock:
     linear_s: float = 0.0
     attention_s: float = 0.0
+    now = staticmethod(time.perf_counter)
 
 
 def _instrument(clock: _Clock) -> None:
@@ -44,9 +48,9 @@ def _instrument(clock: _Clock) -> None:
 
     def timed(fn, field):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock.now()
             out = fn(*args, **kwargs)
-            setattr(clock, field, getattr(clock, field) + time.perf_counter() - t0)
+            setattr(clock, field, getattr(clock, field) + clock.now() - t0)
             return out
 
         return wrapper
@@ -56,32 +60,35 @@ def _instrument(clock: _Clock) -> None:
     PagedKVCache.attend = timed(PagedKVCache.attend, "attention_s")
 
 
-def measure(path: str, impl: str, batches: list[int], prompt: int, steps: int, clock: _Clock) -> list[dict]:
-    options = EngineOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256, model_impl=impl)
-    engine = GenerativeEngine.load(path, options=options)
-    core = engine.core
+def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps: int, clock: _Clock) -> list[dict]:
+    """Every impl's engine loaded side by side and stepped in turn (A, B, A, B...), so that whatever else the
+    machine does at the time falls on all of them alike."""
+    options = EngineOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256)
+    engines = {impl: GenerativeEngine.load(path, options=replace(options, model_impl=impl)) for impl in impls}
     rows = []
     for b in batches:
-        for i in range(b):
-            ids = [(7 * i + j) % 1000 + 10 for j in range(prompt)]
-            core.add(i, ids, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
-        while core.stats.batch_tokens != b or any(s.num_computed < prompt for s in core.sequences.values()):
-            core.step()  # prefill (and the first decodes)
-        times, linear, attention = [], [], []
+        samples: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in impls}
+        for engine in engines.values():
+            core = engine.core
+            for i in range(b):
+                ids = [(7 * i + j) % 1000 + 10 for j in range(prompt)]
+                core.add(i, ids, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
+            while core.stats.batch_tokens != b or any(s.num_computed < prompt for s in core.sequences.values()):
+                core.step()  # prefill (and the first decodes)
         for _ in range(steps):
-            clock.linear_s = clock.attention_s = 0.0
-            t0 = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - t0)
-            linear.append(clock.linear_s)
-            attention.append(clock.attention_s)
-        for i in range(b):
-            core.abort(i)
-        step = statistics.median(times)
-        lin, att = statistics.median(linear), statistics.median(attention)
-        rows.append({"impl": impl, "batch": b, "step_ms": step * 1e3, "linear_ms": lin * 1e3,
-                     "attention_ms": att * 1e3, "other_ms": (step - lin - att) * 1e3})  # fmt: skip
-    engine.close()
+            for impl, engine in engines.items():
+                clock.linear_s = clock.attention_s = 0.0
+                t0 = clock.now()
+                engine.core.step()
+                samples[impl].append((clock.now() - t0, clock.linear_s, clock.attention_s))
+        for impl, engine in engines.items():
+            for i in range(b):
+                engine.core.abort(i)
+            step, lin, att = (statistics.median(column) for column in zip(*samples[impl], strict=True))
+            rows.append({"impl": impl, "batch": b, "step_ms": step * 1e3, "linear_ms": lin * 1e3,
+                         "attention_ms": att * 1e3, "other_ms": (step - lin - att) * 1e3})  # fmt: skip
+    for engine in engines.values():
+        engine.close()
     return rows
 
 
@@ -97,19 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = _Clock()
+    if args.threads == 1:
+        clock.now = time.thread_time
     _instrument(clock)
     batches = [int(b) for b in args.batch.split(",")]
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = gen_zserve.resolve_model(args.model, "float32", Path(tmp))
         with torch.inference_mode():
-            for impl in args.impls.split(","):
-                rows += measure(path, impl, batches, args.prompt, args.steps, clock)
+            rows = measure(path, args.impls.split(","), batches, args.prompt, args.steps, clock)
     print(f"{'impl':<13}{'batch':>6}{'step ms':>10}{'linear':>9}{'attention':>11}{'other':>8}")
     for r in rows:
         print(f"{r['impl']:<13}{r['batch']:>6}{r['step_ms']:>10.2f}{r['linear_ms']:>9.2f}"
               f"{r['attention_ms']:>11.2f}{r['other_ms']:>8.2f}")  # fmt: skip
-    report.write_json(Path(args.out), {"args": vars(args), "rows": rows})
+    clock_name = "thread CPU time" if args.threads == 1 else "wall clock"
+    print(f"(medians of {args.steps} decode steps after prompts of {args.prompt} tokens; {clock_name})")
+    report.write_json(Path(args.out), {"args": vars(args), "clock": clock_name, "rows": rows})
     return 0
 
 
