@@ -12,8 +12,8 @@ A model with a preprocess stage ("staged") sends its batches to preprocess worke
 waits in the model's prepared queue and goes, as formed, to the next engine with credit. Stages are fed
 only while fewer batches are on their way (in stages or prepared) than the engines' total credit, so
 preprocessed batches never pile up faster than engines take them; and a partial batch goes to a stage
-only when an engine has credit that nothing on its way will use (otherwise it keeps filling, exactly as
-it would for a busy engine without a stage).
+only when an idle engine would wait for it (otherwise it keeps filling while the engines compute, and goes
+when it is full).
 
 Cost-aware batching (a model with ``max_batch_cost``): each item has a cost (tokens, pixels), and a batch
 costs its size times its largest item's cost, which is what a batch padded to its longest item computes.
@@ -159,8 +159,11 @@ class Scheduler:
         return self._ahead(model) < max(1, self.pool.credit_total(model, ENGINE))
 
     def _engine_would_wait(self, model: str) -> bool:
-        """An engine has credit that no batch on its way will use: a partial batch is worth sending now."""
-        return self.pool.free_credit_total(model, ENGINE) > self._ahead(model)
+        """An idle engine would wait for a batch, and none on its way is for it: a partial batch is worth sending
+        now. A busy engine's spare credit does not count: it is for the next batch to be ready when the current
+        one ends, and a partial batch sent into it early stops growing while the engine computes (measured: a
+        closed loop of 64 on an engine with 2 credits ran batches of 5 where 32 fit)."""
+        return self.pool.idle_count(model, ENGINE) > self._ahead(model)
 
     def pop_batches(self, now: float) -> list[Dispatch]:
         """Every batch that should leave now, with the worker each goes to (credit already taken)."""
@@ -241,6 +244,22 @@ class Scheduler:
             computed = (len(ids) + 1) * top
             if computed > budget or total + cost < MIN_PADDING_EFFICIENCY * computed:
                 continue
+            ids.append(item_id)
+            total, largest = total + cost, top
+        # Past the window, items join in arrival order while every item before them has joined: nobody is
+        # passed over, and a queue that grew while the engines computed still fills a batch (a closed loop of
+        # 64 otherwise ran batches of what arrived within max_wait_ms of the oldest).
+        taken = set(ids)
+        for item_id in queue:  # in arrival order; the first item that cannot join ends the batch
+            if len(ids) >= limit:
+                break
+            if item_id in taken:
+                continue
+            cost = costs[item_id]
+            top = max(largest, cost)
+            computed = (len(ids) + 1) * top
+            if item_id in self._alone[model] or computed > budget or total + cost < MIN_PADDING_EFFICIENCY * computed:
+                break
             ids.append(item_id)
             total, largest = total + cost, top
         for item_id in ids:

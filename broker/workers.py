@@ -161,6 +161,10 @@ class WorkerPool:
     def free_credit_total(self, model: str, role: str = ENGINE) -> int:
         return sum(w.free_credits for w in self._serving(model, role))
 
+    def idle_count(self, model: str, role: str = ENGINE) -> int:
+        """Workers with credit and nothing in flight: the ones that wait for their next batch right now."""
+        return sum(1 for w in self._serving(model, role) if not w.in_flight and w.free_credits > 0)
+
     def in_flight_batches(self, model: str, role: str = ENGINE) -> int:
         return sum(1 for b in self._batches.values() if b.model == model and b.role == role)
 

@@ -133,3 +133,22 @@ def test_a_partial_batch_waits_for_a_stage_until_an_engine_would_otherwise_idle(
     pool.finish(to_engine.batch_id)  # the engine is free and nothing is on its way: send what there is
     [partial] = s.pop_batches(1.0)
     assert partial.worker.name == "s" and partial.item_ids == [1, 2, 3]
+
+
+def test_a_busy_engines_spare_credit_takes_only_full_batches_from_the_stage():
+    pool = WorkerPool(liveness_s=1.0)
+    pool.register(b"s", name="s", pid=1, role="preprocess", models=["m"], credits=1, now=0.0)
+    pool.register(b"e", name="e", pid=2, role="engine", models=["m"], credits=2, now=0.0)
+    s = Scheduler({"m": BatchPolicy(4, 5.0, 100)}, pool, frozenset({"m"}))
+    s.submit("m", 0, 0.0)
+    [first] = s.pop_batches(0.0)
+    pool.finish(first.batch_id)
+    s.add_prepared("m", [0], [b"p"])
+    [busy] = s.pop_batches(0.0)
+    assert busy.worker.name == "e" and pool.free_credit_total("m") == 1
+    for i in range(1, 4):
+        s.submit("m", i, 0.001)
+    assert s.pop_batches(1.0) == []  # one credit spare, but the engine computes: the batch keeps filling
+    s.submit("m", 4, 1.0)
+    [full] = s.pop_batches(1.0)  # full: prepared now, ready when the engine's current batch ends
+    assert full.worker.name == "s" and full.item_ids == [1, 2, 3, 4]
