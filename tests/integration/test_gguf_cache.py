@@ -85,6 +85,33 @@ def test_converted_checkpoint_loads_and_answers_a_chat(converted):
     assert "Paris" in answer, answer
 
 
+def test_our_model_code_on_the_converted_weights_equals_generate(converted):
+    """stages/generate/llama.py merges the real SmolLM2's q/k/v and gate/up (tied embeddings, 9 heads over 3
+    key/value heads, rope theta 1e5) from the converted GGUF: greedy output is HF's, chunked prefill included."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
+    from zserve.stages.generate.llama import LlamaFamily
+    from zserve.stages.generate.sequence import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):", "Red, blue,")]
+    engine = GenerativeEngine.load(str(converted), options=EngineOptions(num_blocks=64, max_batched_tokens=8))
+    assert isinstance(engine.core.model, LlamaFamily)
+    for i, ids in enumerate(prompts):
+        engine.core.add(i, ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    produced: dict[int, list[int]] = {}
+    while engine.core.has_work():
+        for out in engine.core.step():
+            produced.setdefault(out.seq_id, []).append(out.token_id)
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    for i, ids in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert produced[i] == ref[0, len(ids) :].tolist(), tokenizer.decode(produced[i])
+
+
 def test_a_second_call_hits_the_cache(converted, cache_dir, caplog):
     mtime_ns = (converted / MARKER).stat().st_mtime_ns
     start = time.perf_counter()
