@@ -248,6 +248,11 @@ class WorkerLink:
                 elif isinstance(msg, Reset) and left:
                     log.info("%s: the broker forgot this leaving worker (%s): exiting", self.worker_id, msg.reason)
                     break
+                elif isinstance(msg, Reset) and not self.registered.is_set():
+                    # Our Hello is on its way (its welcome comes next, or silence makes us say it again). The Reset
+                    # answers heartbeats queued for a broker that died and delivered to its successor: each Hello
+                    # more would make the broker take back, with an attempt counted, what it just gave us.
+                    log.debug("%s: Reset while registering (%s): ignored", self.worker_id, msg.reason)
                 elif isinstance(msg, Reset):
                     log.info("%s: broker asked to register again (%s)", self.worker_id, msg.reason)
                     if on_reset is not None:
