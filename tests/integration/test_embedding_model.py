@@ -176,6 +176,26 @@ def test_bfloat16_is_within_cosine_0_999_of_float32(encoders, tmp_path):
     assert _cosines(fp32, bf16).min() > 0.999
 
 
+@pytest.mark.parametrize("stack", [{"normalize": True}, {"dense": 8, "prompts": PROMPTS, "include_prompt": False}])
+def test_the_onnx_backend_equals_the_library_and_is_exported_once(encoders, tmp_path, monkeypatch, stack):
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_stack(encoders["bert"], tmp_path / "s", "mean", **stack)
+    np.testing.assert_allclose(np.stack(_served(folder, backend="onnx").embed(SENTENCES, prompt="q: ")),
+                               _library(folder).encode(SENTENCES, prompt="q: "), atol=1e-5)  # fmt: skip
+    [export] = (tmp_path / "cache" / "onnx").glob("*/model.onnx")
+    made = export.stat().st_mtime_ns
+    _served(folder, backend="onnx")
+    assert export.stat().st_mtime_ns == made  # the second start reuses the export
+
+
+def test_the_onnx_backend_refuses_what_it_cannot_run(encoders, tmp_path):
+    folder = build_stack(encoders["bert"], tmp_path / "s", "mean")
+    with pytest.raises(ModelLoadError, match="float32 on the CPU"):
+        SentenceEmbedding(path=str(folder), backend="onnx", dtype="bfloat16").setup("cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        SentenceEmbedding(path=str(folder), backend="tensorrt")
+
+
 # ---- the real all-MiniLM-L6-v2 weights ----
 
 
@@ -195,6 +215,15 @@ def test_minilm_equals_sentence_transformers(minilm):
 def test_minilm_bfloat16_is_within_cosine_0_999_of_float32(minilm):
     bf16 = np.stack(_served(bundled_minilm_path(), dtype="bfloat16").embed(SENTENCES))
     assert _cosines(np.stack(minilm.embed(SENTENCES)), bf16).min() > 0.999
+
+
+def test_minilm_onnx_equals_torch_and_int8_stays_close(minilm, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    torch_vectors = np.stack(minilm.embed(SENTENCES))
+    np.testing.assert_allclose(np.stack(_served(bundled_minilm_path(), backend="onnx").embed(SENTENCES)),
+                               torch_vectors, atol=1e-5)  # fmt: skip
+    int8 = np.stack(_served(bundled_minilm_path(), backend="onnx-int8").embed(SENTENCES))
+    assert 0.95 < _cosines(torch_vectors, int8).min() < 0.9999  # quantised: close, and not the same
 
 
 def test_batched_equals_one_at_a_time(minilm):

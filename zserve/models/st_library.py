@@ -13,7 +13,9 @@ forward (one group in the common case).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,16 +89,27 @@ def padded_ids(rows: list[list[int]], tokenizer: Any, token_type_ids: bool) -> d
 class Forward:
     """The engine's side: a loaded library model and its device, running one group's features at a time."""
 
-    def __init__(self, model: Any, device: str, dtype: str) -> None:
+    def __init__(self, model: Any, device: str, dtype: str, backend: str = "torch", folder: str = "") -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         self.model = model.to(torch_dtype(dtype, self.device)).eval()
         self.pinned = self.device.type == "cuda"
+        self.onnx = None
+        if backend != "torch":
+            if self.device.type != "cpu" or self.model.dtype != torch.float32:
+                raise ModelLoadError(f'{folder}: backend = "{backend}" runs in float32 on the CPU; use "torch" on '
+                                     f"{device} or with dtype {dtype}")  # fmt: skip
+            from zserve.models.onnx_encoder import OnnxStack
+
+            threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+            self.onnx = OnnxStack(self.model, Path(folder), backend, threads)
 
     def __call__(self, features: dict[str, Any]) -> dict[str, Any]:
         """The library's forward on one group (arrays decoded from frames); outputs stay on the device."""
+        if self.onnx is not None:
+            return self.onnx(features)
         torch = self.torch
         inputs: dict[str, Any] = {}
         for key, value in features.items():
