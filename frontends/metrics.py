@@ -100,6 +100,17 @@ class BrokerCollector:
         step_s = GaugeMetricFamily(
             "zserve_engine_step_seconds_mean", "Generative models: mean engine step time", labels=["model"]
         )
+        cost = CounterMetricFamily(
+            "zserve_batch_cost",
+            "Models batched by cost (max_batch_cost): the items' cost (tokens, for text models) in dispatched batches",
+            labels=["model"],
+        )
+        padded_cost = CounterMetricFamily(
+            "zserve_batch_padded_cost",
+            "Models batched by cost: what their batches computed (size x largest cost); padding efficiency = "
+            "zserve_batch_cost_total / zserve_batch_padded_cost_total",
+            labels=["model"],
+        )
         generative = (kv_usage, steps, batch_tokens, preemptions, prompt_tokens, cached_tokens, hit_rate, step_s)
         for m in self.report.models:
             if m.generative:
@@ -115,6 +126,9 @@ class BrokerCollector:
                 hit_rate.add_metric([m.name], m.cached_prompt_tokens / m.prompt_tokens if m.prompt_tokens else 0.0)
                 if m.engine_steps:
                     step_s.add_metric([m.name], m.engine_busy_s / m.engine_steps)
+            if m.padded_cost:
+                cost.add_metric([m.name], m.batched_cost)
+                padded_cost.add_metric([m.name], m.padded_cost)
             depth.add_metric([m.name], m.queue_depth)
             in_flight.add_metric([m.name], m.in_flight)
             ready.add_metric([m.name], m.ready_workers)
@@ -127,7 +141,7 @@ class BrokerCollector:
                 workers.add_metric([m.name, "preprocess"], m.preprocess_workers)
             else:
                 waiting.add_metric([m.name, "engine"], m.queue_depth)
-        yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv, *generative)
+        yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv, cost, padded_cost, *generative)
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

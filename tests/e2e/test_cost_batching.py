@@ -5,6 +5,7 @@ handler's ``cost`` and the broker keeps every batch within ``max_batch_cost``; t
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,10 @@ def test_batches_stay_within_the_cost_budget_over_http_and_the_direct_client(tmp
             health = next(m for m in client.health().models if m.name == "m")
         assert 0 < health.batched_cost <= health.padded_cost
         assert health.batched_cost >= 0.5 * health.padded_cost
+        _, _, metrics = d.request("GET", "/metrics")  # the same counts for Prometheus (the health cache may lag)
+        cost = float(re.search(r'^zserve_batch_cost_total\{model="m"\} (\S+)', metrics, re.M).group(1))
+        padded = float(re.search(r'^zserve_batch_padded_cost_total\{model="m"\} (\S+)', metrics, re.M).group(1))
+        assert 0 < cost <= padded <= 2 * cost
     finally:
         assert d.stop() == 0, d.output
 
