@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zserve-installed
 
-.PHONY: install serve test test-all lint bench bench-env clean
+.PHONY: install serve test test-all lint bench bench-env bench-infinity-env bench-embeddings clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,25 @@ $(BENCH_STAMP): pyproject.toml constraints.txt
 	touch $(BENCH_STAMP)
 
 bench-env: $(BENCH_STAMP)
+
+# infinity-emb 0.0.78, the embedding peer (bench/embeddings/): a virtualenv of its own, as its pins (numpy<2,
+# transformers<5, sentence-transformers 3) clash with zserve's; torch stays the CPU wheel on disk.
+INFINITY_VENV ?= .venv-infinity
+INFINITY_STAMP := $(INFINITY_VENV)/.infinity-installed
+
+$(INFINITY_STAMP):
+	test -x $(INFINITY_VENV)/bin/python || $(PYTHON) -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	printf 'torch==2.13.0\n' > $(INFINITY_VENV)/constraints.txt
+	$(INFINITY_VENV)/bin/python -m pip install --quiet -c $(INFINITY_VENV)/constraints.txt \
+		'infinity-emb[server,torch,optimum]==0.0.78'
+	touch $(INFINITY_STAMP)
+
+bench-infinity-env: $(INFINITY_STAMP)
+
+# zserve (torch, onnx, bf16) against infinity-emb and mosec on MiniLM: bench/embeddings/README.md
+bench-embeddings: bench-env bench-infinity-env
+	$(BENCH_VENV)/bin/python bench/embeddings/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
