@@ -329,6 +329,7 @@ class BrokerCore:
             credits=msg.credits,
             now=now,
             kv_blocks=msg.kv_blocks,
+            preprocesses=msg.preprocesses,
         )
         self._fail_batches(orphans, f"worker {msg.worker} restarted")
         log.info("worker %s ready: %s %s, %d credits", msg.worker, msg.role, ",".join(msg.models), msg.credits)
@@ -661,7 +662,7 @@ class BrokerCore:
             decoded.append(r.decoded)
             streams.append(r.stream)
         stream = streams if d.model in self.generative else []
-        return Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream), frames
+        return Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream, preprocess=d.preprocess), frames
 
     def _prepared_batch(self, d: Dispatch) -> tuple[Batch, list[Any]]:
         decoded = []

@@ -71,6 +71,7 @@ class Dispatch:
     worker: Worker
     item_ids: list[int]
     prepared: Prepared | None = None
+    preprocess: bool = False  # a staged model's batch for an idle engine, which preprocesses it itself
 
 
 class Scheduler:
@@ -182,9 +183,15 @@ class Scheduler:
             role = self._role(model)
             alone = self._alone[model]
             while queue:
-                if role == PREPROCESS and not self._feeds_stage(model):
+                # An idle engine with nothing on its way takes a staged model's batch itself if its preprocess is
+                # cheap (Model.preprocess_in_idle_engine): through a stage, the hops are all the engine waits for.
+                direct = False
+                if role == PREPROCESS and self._engine_would_wait(model):
+                    engine = self.pool.best(model, ENGINE)
+                    direct = engine is not None and engine.preprocesses and not engine.in_flight
+                if role == PREPROCESS and not direct and not self._feeds_stage(model):
                     break
-                worker = self.pool.best(model, role)
+                worker = self.pool.best(model, ENGINE if direct else role)
                 if worker is None:
                     break
                 oldest_s = next(iter(queue.values()))
@@ -217,7 +224,7 @@ class Scheduler:
                             ids.append(queue.popitem(last=False)[0])
                 batch_id = self._new_batch_id()
                 self.pool.start(worker, batch_id, model, ids, now)
-                out.append(Dispatch(batch_id, model, worker, ids))
+                out.append(Dispatch(batch_id, model, worker, ids, preprocess=direct))
         return out
 
     def _take_by_cost(self, model: str, policy: BatchPolicy) -> list[int]:

@@ -34,6 +34,7 @@ class Worker:
     progress_s: float = 0.0  # its last result or engine step, or when it got work while idle
     free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
     kv_blocks: int = 0  # generative engines: the pool's size (Hello)
+    preprocesses: bool = False  # an engine that takes a staged model's batches unpreprocessed when idle (Hello)
     # generative engines' counters since they started, from their last StepOutput
     preemptions: int = 0
     prompt_tokens: int = 0
@@ -63,13 +64,15 @@ class WorkerPool:
         credits: int,
         now: float,
         kv_blocks: int = 0,
+        preprocesses: bool = False,
     ) -> list[InFlightBatch]:
         """Add (or re-add) a worker. A worker that says Hello again has lost whatever it held: those
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
         self.workers[worker_id] = Worker(
-            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks
-        )
+            worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks,
+            preprocesses=preprocesses,
+        )  # fmt: skip
         return orphans
 
     def remove(self, worker_id: bytes) -> list[InFlightBatch]:

@@ -26,7 +26,8 @@ import zmq
 from zserve import payload
 from zserve.errors import BadRequest
 from zserve.frames import pack
-from zserve.model import Model
+from zserve.hooks import check_preprocess_hooks
+from zserve.model import Model, uses_preprocess
 from zserve.protocol import Batch, BatchResult, Codec, Status
 from zserve.stages.items import Failure, ResultBuilder, decode_items
 from zserve.stages.runtime import WorkerLink, enter_compute_thread, run_worker
@@ -62,6 +63,8 @@ class BatchRunner:
 
     def decode(self, batch: Batch, frames: list[Any]) -> Job:
         n = len(batch.item_ids)
+        if batch.preprocess:  # a stage's work, done here: the engine was idle (see zserve.protocol.Batch)
+            return self._preprocessed(Job(batch, *decode_items(self.model, batch, frames)))
         if not batch.prepared:
             return Job(batch, *decode_items(self.model, batch, frames))
         try:
@@ -70,10 +73,23 @@ class BatchRunner:
             return Job(batch, [], [], [Failure.from_exception(exc, Status.INTERNAL, "payload")] * n)
         return Job(batch, value, list(range(n)), [None] * n)
 
+    def _preprocessed(self, job: Job) -> Job:
+        """``preprocess`` on the decoded items, as a stage runs it: if it raises, every item fails with it."""
+        if job.positions:
+            try:
+                job.values = self.model.preprocess(job.values)
+            except Exception as exc:
+                log.warning("batch %d: preprocess raised %s: %s", job.batch.batch_id, type(exc).__name__, exc)
+                failure = Failure.from_exception(exc, Status.BAD_REQUEST, "preprocess")
+                job.outcomes = [o or failure for o in job.outcomes]
+                job.values, job.positions = [], []
+        return job
+
     def compute(self, job: Job) -> None:
         if job.positions:
             t0 = time.perf_counter()
-            outputs = self._predict(job.values, len(job.positions), splittable=not job.batch.prepared)
+            splittable = not (job.batch.prepared or job.batch.preprocess)  # one payload: it cannot be split
+            outputs = self._predict(job.values, len(job.positions), splittable=splittable)
             job.compute_ms = (time.perf_counter() - t0) * 1000.0
             for i, output in zip(job.positions, outputs, strict=True):
                 if isinstance(output, BaseException):
@@ -167,7 +183,15 @@ class PipelinedEngine:
             push.close(linger=2000)
 
 
+def preprocesses_when_idle(model: Model) -> bool:
+    """Whether this engine takes its staged model's batches unpreprocessed while it is idle."""
+    return uses_preprocess(type(model)) and model.preprocess_in_idle_engine
+
+
 def start_engine(model: Model, device: str) -> None:
+    if preprocesses_when_idle(model):
+        check_preprocess_hooks(type(model))
+        model.setup_preprocess()
     model.setup(device)
     model.warmup()
 
@@ -178,6 +202,7 @@ def make_runner(model: Model, link: WorkerLink) -> Any:
         from zserve.stages.generate.runner import GenerationRunner
 
         return GenerationRunner(model, link)
+    link.preprocesses = preprocesses_when_idle(model)
     return PipelinedEngine(model, link)
 
 

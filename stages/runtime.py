@@ -71,6 +71,7 @@ class WorkerLink:
         self.models = models
         self.credits = credits
         self.kv_blocks = 0  # a generative engine's KV pool, declared in its Hello
+        self.preprocesses = False  # an engine that preprocesses a staged model's batches itself when idle (Hello)
         self.free_kv_blocks = -1  # and what is free now, in every heartbeat (-1: not generative)
         self.work_endpoint = work_endpoint
         self.out_endpoint = out_endpoint
@@ -165,7 +166,8 @@ class WorkerLink:
 
     def _hello(self) -> None:
         self._set_registered(False)
-        hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks)
+        hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks,
+                      preprocesses=self.preprocesses)  # fmt: skip
         self.dealer.send(self.codec.encode(hello))
 
     def _heartbeats(self) -> None:

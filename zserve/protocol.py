@@ -162,6 +162,7 @@ class Hello(Msg, tag=20):
     credits: int  # batches it may hold; for a generative engine: sequences (its max_running)
     protocol: int = PROTOCOL_VERSION
     kv_blocks: int = 0  # generative engines: the KV pool's size, in blocks
+    preprocesses: bool = False  # an engine that runs its staged model's preprocess itself when idle (Batch.preprocess)
 
 
 class Batch(Msg, tag=21):
@@ -176,6 +177,9 @@ class Batch(Msg, tag=21):
     # (frame_counts then has a single entry); the engine passes it to predict as is.
     prepared: bool = False
     stream: list[bool] = []  # generative: per item, whether its client wants Chunks
+    # True: a staged model's batch sent straight to an idle engine, which runs the model's preprocess itself (a
+    # stage would only add its hops while the engine waits)
+    preprocess: bool = False
 
 
 class BatchResult(Msg, tag=22):

@@ -152,3 +152,29 @@ def test_a_busy_engines_spare_credit_takes_only_full_batches_from_the_stage():
     s.submit("m", 4, 1.0)
     [full] = s.pop_batches(1.0)  # full: prepared now, ready when the engine's current batch ends
     assert full.worker.name == "s" and full.item_ids == [1, 2, 3, 4]
+
+
+def test_an_idle_engine_that_preprocesses_takes_a_staged_batch_itself_and_a_busy_one_does_not():
+    pool = WorkerPool(liveness_s=1.0)
+    pool.register(b"s", name="s", pid=1, role="preprocess", models=["m"], credits=1, now=0.0)
+    pool.register(b"e", name="e", pid=2, role="engine", models=["m"], credits=2, now=0.0, preprocesses=True)
+    s = Scheduler({"m": BatchPolicy(4, 5.0, 100)}, pool, frozenset({"m"}))
+    s.submit("m", 0, 0.0)
+    [direct] = s.pop_batches(0.0)
+    assert direct.worker.name == "e" and direct.preprocess and direct.prepared is None
+    for i in range(1, 5):
+        s.submit("m", i, 0.001)
+    [staged] = s.pop_batches(0.001)  # the engine computes: a full batch goes through the stage
+    assert staged.worker.name == "s" and not staged.preprocess and staged.item_ids == [1, 2, 3, 4]
+
+
+def test_an_engine_runs_preprocess_on_a_batch_sent_to_it_unpreprocessed():
+    model = Staged()
+    model.setup_preprocess()
+    frames, counts = frames_of(["a", "b"])
+    result, out = BatchRunner(model, "e").run(Batch(1, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
+    assert result.statuses == [Status.OK] * 2
+    assert [payload.decode([f])["echo"] for f in out] == ["a", "b"]
+    frames, counts = frames_of(["a", "poison"])
+    result, _ = BatchRunner(model, "e").run(Batch(2, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
+    assert result.statuses == [Status.BAD_REQUEST] * 2 and "cannot preprocess poison" in result.messages[0]

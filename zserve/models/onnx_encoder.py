@@ -8,8 +8,8 @@ temporary file and renamed into place, so engines starting together may both exp
 ``onnx-int8`` is ONNX Runtime's dynamic int8 quantisation of that export (int8 weights per channel): measured 2.5x
 to 4x fp32 on one thread, but lossy (cosine ~0.975 to fp32 on all-MiniLM-L6-v2), so never a default.
 
-Measured on this project's 2-core CPU, all-MiniLM-L6-v2, 1 thread (bench/embeddings/backends.py): fp32 ONNX Runtime 1.2 to
-1.4x torch on batches of 32 short sentences and 1.9x on single sentences, with the same vectors (cosine 1.000000).
+Measured on this project's 2-core CPU, all-MiniLM-L6-v2, 1 thread (bench/embeddings/backends.py): fp32 ONNX Runtime
+1.2 to 1.4x torch on batches of 32 short sentences and 1.9x on single sentences, with the same vectors (cosine 1.0).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class TextModel(Model):
     say which ``AutoModel*`` class loads it (``auto_class``) and what ``predict`` computes."""
 
     auto_class = "AutoModel"
+    preprocess_in_idle_engine = True  # tokenising a batch takes well under a millisecond
 
     def __init__(self, path: str = "", max_length: int = 512, dtype: str = "auto", **options: Any) -> None:
         super().__init__(path=path, max_length=max_length, dtype=dtype, **options)
