@@ -24,11 +24,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+}  # fmt: skip  (--small: the test suite's dry run)
 BGE_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
             "vocab_size": 30522, "max_position_embeddings": 512}  # fmt: skip
 
 
-def build_stack(folder: Path):
+def build_stack(folder: Path, config: dict):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
@@ -47,7 +55,7 @@ def build_stack(folder: Path):
     BertTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
                       sep_token="[SEP]").save_pretrained(folder)  # fmt: skip
     torch.manual_seed(0)
-    BertModel(BertConfig(**BGE_BASE)).save_pretrained(folder)
+    BertModel(BertConfig(**config)).save_pretrained(folder)
     transformer = Transformer(str(folder))
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
     return SentenceTransformer(modules=[transformer, pooling, Normalize()])
@@ -93,6 +101,7 @@ def main() -> int:
     parser.add_argument("--seq", default="32,256")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="")
+    parser.add_argument("--small", action="store_true", help="a 2-layer model instead of BGE-base (a dry run)")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("no CUDA device")
@@ -102,7 +111,7 @@ def main() -> int:
     rows, vectors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("float32", "bfloat16"):
-            stack = build_stack(Path(tmp) / dtype)
+            stack = build_stack(Path(tmp) / dtype, SMALL if args.small else BGE_BASE)
             run, how = engine_path(stack, args.device, dtype)
             stack = stack.to(args.device, getattr(torch, dtype)).eval()
             bert = stack[0].auto_model

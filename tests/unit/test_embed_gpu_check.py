@@ -1,0 +1,22 @@
+"""bench/gpu/embed_dtype.py, the embedding batch path's GPU check, runs dry on the CPU (a small model), so that it
+cannot rot before a device is lent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_embedding_gpu_check_runs_dry_on_the_cpu(tmp_path):
+    out = tmp_path / "embed.json"
+    command = [sys.executable, str(REPO / "bench" / "gpu" / "embed_dtype.py"), "--device", "cpu", "--small",
+               "--batch", "2", "--seq", "8", "--iters", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["path"] == "zserve" for r in rows)
+    assert rows[1]["min_cosine_to_fp32"] > 0.99 and all(r["engine_items_s"] > 0 for r in rows)
