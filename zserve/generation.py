@@ -36,6 +36,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     stop: list[str] = []
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
     ignore_eos: bool = False
+    # OpenAI's penalties (on the generated tokens), HF's repetition penalty (prompt and generated tokens)
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0  # 1 = off
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}  # token id (as a string) -> bias
+    # the sampled tokens' log-probabilities under the model, each with the `logprobs` most likely tokens'
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -44,13 +51,28 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
             raise ValueError("`messages` must not be empty - at `$.messages`")
 
 
-class GenerateResponse(msgspec.Struct):
-    """A generative model's answer to one prompt (the fields DeepSpeed-MII's responses have)."""
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct):
+    """A generated token (its text alone), its log-probability, and the most likely tokens at its place."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class GenerateResponse(msgspec.Struct, omit_defaults=True):
+    """A generative model's answer to one prompt (the fields DeepSpeed-MII's responses have, and
+    ``logprobs`` when the request asked)."""
 
     generated_text: str
     generated_length: int
     prompt_length: int
     finish_reason: str  # "stop" (eos, a stop id or string) | "length" (max_new_tokens / max_length)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token
 
 
 def _field_of(exc: msgspec.ValidationError) -> str:

@@ -23,11 +23,12 @@ import msgspec
 import torch
 
 from zserve.errors import BadRequest
-from zserve.generation import GenerateRequest, GenerateResponse
+from zserve.generation import GenerateRequest, GenerateResponse, TokenLogprob, TopLogprob
 from zserve.stages.generate import cpu_linear
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
 from zserve.stages.generate.llama import own_model
+from zserve.stages.generate.sampler import TokenLogprobs
 from zserve.stages.generate.sequence import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class GenerativeEngine:
             native_decode=options.cpu_attention == "native", tensor_parallel=tensor_parallel,
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self._token_texts: dict[int, str] = {}  # logprobs' token strings (the output thread's)
 
     @classmethod
     def load(
@@ -174,9 +176,33 @@ class GenerativeEngine:
         params = SamplingParams(
             max_new_tokens=max_new, temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
             seed=request.seed, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
-            min_new_tokens=request.min_new_tokens,
+            min_new_tokens=request.min_new_tokens, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            logit_bias=self._logit_bias(request.logit_bias),
+            logprobs=-1 if request.logprobs is None else request.logprobs,
         )  # fmt: skip
         return PreparedPrompt(ids, params, list(request.stop))
+
+    def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        vocab = self.core.sampler.vocab_size
+        out = []
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise BadRequest(f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1})",
+                                 field="logit_bias")  # fmt: skip
+            out.append((int(key), float(value)))
+        return tuple(out)
+
+    def token_logprob(self, token_id: int, logprobs: TokenLogprobs) -> TokenLogprob:
+        """A sampled token's logprobs with token strings (each id decoded alone, as vLLM does)."""
+        text = self._token_text
+        return TokenLogprob(text(token_id), logprobs.logprob, [TopLogprob(text(t), lp) for t, lp in logprobs.top])
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def text_stream(self, prompt: PreparedPrompt) -> TextStream:
         """The incremental detokeniser of one sequence (stop strings included)."""
@@ -190,6 +216,7 @@ class GenerativeEngine:
         prepared = [self.prepare(r) for r in requests]
         streams = [self.text_stream(p) for p in prepared]
         lengths = [0] * len(prepared)
+        logprobs: list[list[TokenLogprob]] = [[] for _ in prepared]
         reasons: dict[int, str] = {}
         for i, p in enumerate(prepared):
             self.core.add(i, p.prompt_ids, p.params)
@@ -200,6 +227,8 @@ class GenerativeEngine:
                     if i in reasons:
                         continue
                     lengths[i] += 1
+                    if out.logprobs is not None:
+                        logprobs[i].append(self.token_logprob(out.token_id, out.logprobs))
                     delta, reason = streams[i].advance(out.token_id, out.finish_reason)
                     if streams[i].stopped:
                         self.core.abort(i)
@@ -211,7 +240,7 @@ class GenerativeEngine:
             for i in range(len(prepared)):  # an exception (or a callback's) leaves nothing behind
                 self.core.abort(i)
         return [
-            GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i])
+            GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i], logprobs[i] if p.params.logprobs >= 0 else None)
             for i, (s, n, p) in enumerate(zip(streams, lengths, prepared, strict=True))
         ]
 

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from zserve.stages.generate.attention import PagedKVCache, StepMeta, Uploader
 from zserve.stages.generate.block_manager import BlockManager
 from zserve.stages.generate.llama import LlamaFamily
-from zserve.stages.generate.sampler import Sampler
+from zserve.stages.generate.sampler import Sampler, TokenLogprobs
 from zserve.stages.generate.scheduler import Chunk, StepScheduler
 from zserve.stages.generate.sequence import SamplingParams, Sequence
 
@@ -36,6 +36,7 @@ class TokenOutput:
     seq_id: int
     token_id: int
     finish_reason: str | None  # None while running; "stop" | "length"
+    logprobs: TokenLogprobs | None = None  # when the sequence's params ask for them
 
 
 @dataclass(slots=True)
@@ -192,9 +193,11 @@ class EngineCore:
             c.seq.num_computed = c.end
             self.blocks.mark_computed(c.seq.kv, c.end)
         sampling = [c.seq for c in chunks if c.samples]
-        tokens = self.sampler.sample(logits, sampling) if sampling else []
+        sampled = self.sampler.run(logits, sampling) if sampling else None
+        tokens = sampled.tokens if sampled else []
+        logprobs = sampled.logprobs if sampled and sampled.logprobs else [None] * len(tokens)
         outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
+        for seq, token, token_logprobs in zip(sampling, tokens, logprobs, strict=True):
             self.blocks.append(seq.kv, token)
             reason = None
             if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
@@ -205,7 +208,7 @@ class EngineCore:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 del self.sequences[seq.seq_id]
-            outputs.append(TokenOutput(seq.seq_id, token, reason))
+            outputs.append(TokenOutput(seq.seq_id, token, reason, token_logprobs))
         return outputs
 
 

@@ -30,7 +30,7 @@ import zmq
 
 from zserve import payload
 from zserve.frames import pack
-from zserve.generation import GenerateResponse, parse_generate_request
+from zserve.generation import GenerateResponse, TokenLogprob, parse_generate_request
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine import PreparedPrompt, engine_of
@@ -79,6 +79,7 @@ class _Output:
     text: TextStream
     prompt_length: int
     num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 @dataclass(slots=True)
@@ -197,7 +198,7 @@ class GenerationRunner:
                 continue
             step = _StepReport.of((time.perf_counter() - started) * 1000.0, core)
             self.link.free_kv_blocks = core.free_blocks
-            self.outbox.put(("step", [(o.seq_id, o.token_id, o.finish_reason) for o in outputs], step))
+            self.outbox.put(("step", [(o.seq_id, o.token_id, o.finish_reason, o.logprobs) for o in outputs], step))
 
     # ---- the output thread ----
 
@@ -225,7 +226,10 @@ class GenerationRunner:
                     elif kind == "start":
                         a: Admitted = extra
                         text = self.engine.text_stream(a.prompt)
-                        sequences[batch_id_or_tokens] = _Output(a.stream, a.decoded, text, len(a.prompt.prompt_ids))
+                        logprobs = [] if a.prompt.params.logprobs >= 0 else None
+                        sequences[batch_id_or_tokens] = _Output(
+                            a.stream, a.decoded, text, len(a.prompt.prompt_ids), logprobs=logprobs
+                        )
                     elif kind == "drop":
                         sequences.pop(batch_id_or_tokens, None)
                     elif kind == "fail":
@@ -243,13 +247,15 @@ class GenerationRunner:
             push.close(linger=2000)
 
     def _tokens(
-        self, tokens: list[tuple[int, int, str | None]], sequences: dict[int, _Output], entries: dict[int, _Entry]
+        self, tokens: list[tuple[int, int, str | None, Any]], sequences: dict[int, _Output], entries: dict[int, _Entry]
     ) -> None:
-        for batch_id, token_id, reason in tokens:
+        for batch_id, token_id, reason, logprobs in tokens:
             seq = sequences.get(batch_id)
             if seq is None:
                 continue  # aborted, or stopped by a stop string a step ago
             seq.num_tokens += 1
+            if seq.logprobs is not None and logprobs is not None:
+                seq.logprobs.append(self.engine.token_logprob(token_id, logprobs))
             delta, reason = seq.text.advance(token_id, reason)
             if seq.text.stopped:
                 self.inbox.put(("abort", [batch_id]))
@@ -260,7 +266,7 @@ class GenerationRunner:
             if reason:
                 del sequences[batch_id]
                 entry.finished = True
-                response = GenerateResponse(seq.text.text, seq.num_tokens, seq.prompt_length, reason)
+                response = GenerateResponse(seq.text.text, seq.num_tokens, seq.prompt_length, reason, seq.logprobs)
                 try:
                     body = msgspec.to_builtins(response) if seq.decoded else self.model.encode_response(response)
                     entry.frames = payload.encode(body)

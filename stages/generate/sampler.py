@@ -9,6 +9,17 @@ one thread), so top-k takes ``topk(k)`` candidates and top-p samples by rejectio
 exact, neither sorts. (Taking the top-p nucleus from the top 256 logits first was tried: SmolLM2 at
 temperature 1 spreads 0.9 of its mass over more than 256 tokens for 96% of the rows of the benchmark.)
 
+Before any of that, in this order (as vLLM v1 does): the log-probabilities a row asked for are taken from the
+model's raw logits (``log_softmax``: what OpenAI's ``logprobs`` report, unaffected by the options below);
+eos and stop ids are banned until ``min_new_tokens``; ``logit_bias`` is added (one ``index_put_`` for every
+biased row); the penalties are applied to the rows that have them, together: the generated tokens of those
+rows are counted into a [rows, vocab] tensor by one ``scatter_add_``; frequency subtracts ``f x count``,
+presence ``p x (count > 0)``, repetition (over prompt and generated tokens, HF's formula) divides positive
+logits by ``r`` and multiplies negative ones. A step without any of these options runs none of it.
+
+The sampled ids and, when asked for, their log-probabilities and the top-k alternatives come back to the
+host in one copy (one float64 tensor: token ids are exact in it).
+
 Seeds: a row's uniform number is a hash of (seed, tokens it generated so far), so a seeded sequence draws
 the same tokens whatever else is in the batch, and again after a preemption recomputes it.
 """
@@ -18,6 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +47,20 @@ def seeded_uniform(seed: int, counter: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model, and the ``k`` most likely tokens' (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Sampled:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; empty when no row asked
 
 
 class Sampler:
@@ -59,16 +85,85 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         """One token per row of ``logits`` [rows, vocab] (row i belongs to ``seqs[i]``)."""
+        return self.run(logits, seqs).tokens
+
+    def run(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> Sampled:
+        """One token per row, and the log-probabilities of the rows that asked for them. ``logits`` is
+        changed in place."""
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs >= 0]
+        raw = torch.log_softmax(logits[_index(wanted, logits.device)].float(), -1) if wanted else None
         self._ban_early_stops(logits, seqs)
+        self._bias(logits, seqs)
+        self._penalise(logits, seqs)
+        tokens = self._tokens(logits, seqs)
+        if raw is None:
+            return Sampled(tokens.tolist(), [])
+        return self._with_logprobs(tokens, raw, wanted, seqs)
+
+    def _tokens(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled:
-            return logits.argmax(-1).tolist()  # the greedy fast path
+            return logits.argmax(-1)  # the greedy fast path
         if len(sampled) == len(seqs):
-            return self._draw(logits, list(seqs)).tolist()
+            return self._draw(logits, list(seqs))
         tokens = logits.argmax(-1)
         index = torch.tensor(sampled, device=logits.device)
         tokens[index] = self._draw(logits.index_select(0, index), [seqs[i] for i in sampled])
-        return tokens.tolist()
+        return tokens
+
+    def _with_logprobs(
+        self, tokens: torch.Tensor, raw: torch.Tensor, wanted: list[int], seqs: Seq[Sequence]
+    ) -> Sampled:
+        """The tokens, and for the ``wanted`` rows (``raw``: their log-softmax) the chosen token's logprob and the
+        top k, all in one copy to the host."""
+        rows = _index(wanted, tokens.device)
+        chosen = raw.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+        k = max(seqs[i].params.logprobs for i in wanted)
+        top_values, top_ids = torch.topk(raw, k, -1) if k else (raw[:, :0], raw[:, :0])
+        n, w = len(tokens), len(wanted)
+        flat = torch.cat([tokens.double(), chosen.double(), top_values.double().flatten(), top_ids.double().flatten()])
+        host = flat.tolist()
+        out_tokens = [int(t) for t in host[:n]]
+        values, ids = host[n + w : n + w + w * k], host[n + w + w * k :]
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        for j, i in enumerate(wanted):
+            top = seqs[i].params.logprobs
+            logprobs[i] = TokenLogprobs(host[n + j], [(int(ids[j * k + r]), values[j * k + r]) for r in range(top)])
+        return Sampled(out_tokens, logprobs)
+
+    def _bias(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+        """``logit_bias``: every biased row's additions in one ``index_put_``."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, seq in enumerate(seqs):
+            for token, bias in seq.params.logit_bias:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        if rows:
+            device = logits.device
+            index = (_index(rows, device), _index(cols, device))
+            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+
+    def _penalise(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+        """Presence, frequency and repetition penalties for every penalised row at once (vLLM's formulas)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
+        if not rows:
+            return
+        device, vocab = logits.device, logits.shape[1]
+        params = [seqs[i].params for i in rows]
+        index = _index(rows, device)
+        x = logits.index_select(0, index).float()
+        counts = _counts([seqs[i].generated for i in rows], vocab, device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        x -= frequency * counts + presence * (counts > 0)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            r = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+            seen = (counts > 0) | (_counts([seqs[i].tokens[: seqs[i].prompt_len] for i in rows], vocab, device) > 0)
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        logits.index_copy_(0, index, x.to(logits.dtype))
 
     def _uniforms(self, seqs: Seq[Sequence], draw: int, device: torch.device) -> torch.Tensor:
         """One number in [0, 1) per sequence: its ``draw``-th of this step (seeded: a function of the seed and
@@ -145,6 +240,16 @@ class Sampler:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each row's tokens: the lists padded with ``vocab`` (a column dropped
+    after) and scattered in one call."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long, device=device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _nucleus_of_candidates(

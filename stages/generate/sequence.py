@@ -21,6 +21,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_new_tokens: int = 0  # eos and stop ids cannot be sampled before this many tokens
+    # OpenAI's penalties (over the generated tokens) and HF's repetition penalty (prompt and generated tokens)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off; logits of seen tokens: positive / r, negative * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int = -1  # -1: none; k >= 0: the sampled token's log-probability and the k most likely
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -125,3 +125,94 @@ def test_min_new_tokens_bans_eos_and_stop_ids_until_reached():
     early = SamplingParams(min_new_tokens=3, stop_token_ids=(2,))
     assert sampler.sample(logits.clone(), [seq(early, 0)]) == [3]
     assert sampler.sample(logits.clone(), [seq(early, 3)]) == [1]
+
+
+def _processed(sampler: Sampler, logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    """The logits after bias and penalties (what the draw sees)."""
+    x = logits.clone()
+    sampler._bias(x, rows)
+    sampler._penalise(x, rows)
+    return x
+
+
+def test_each_penalty_changes_exactly_the_logits_it_should():
+    torch.manual_seed(3)
+    vocab = 12
+    logits = torch.randn(1, vocab) * 3
+    sampler = Sampler([], vocab)
+
+    def row(**options) -> Sequence:
+        s = Sequence(0, [1, 2, 2], SamplingParams(**options))  # the prompt
+        s.tokens += [5, 5, 7]  # generated
+        return s
+
+    counts = torch.zeros(vocab)
+    counts[5], counts[7] = 2, 1
+    got = _processed(sampler, logits, [row(frequency_penalty=0.5)])
+    assert torch.allclose(got[0], logits[0] - 0.5 * counts)
+    got = _processed(sampler, logits, [row(presence_penalty=-1.5)])
+    assert torch.allclose(got[0], logits[0] + 1.5 * (counts > 0))
+    from transformers import RepetitionPenaltyLogitsProcessor  # HF's formula over prompt + generated
+
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[1, 2, 2, 5, 5, 7]]), logits.clone())
+    got = _processed(sampler, logits, [row(repetition_penalty=1.3)])
+    assert torch.allclose(got, expected)
+    changed = (got[0] != logits[0]).nonzero().flatten().tolist()
+    assert set(changed) <= {1, 2, 5, 7}
+    got = _processed(sampler, logits, [row(logit_bias=((3, 100.0), (5, -2.0)))])
+    delta = torch.zeros(vocab)
+    delta[3], delta[5] = 100.0, -2.0
+    assert torch.allclose(got[0], logits[0] + delta)
+    assert sampler.sample(logits.clone(), [row(logit_bias=((3, 100.0),))]) == [3]  # greedy sees the bias
+    assert torch.equal(_processed(sampler, logits, [row()]), logits)  # no option: untouched
+
+
+def test_penalised_rows_in_a_batch_equal_each_row_alone():
+    torch.manual_seed(4)
+    vocab = 300
+    sampler = Sampler([], vocab)
+    options = [
+        {},
+        {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+        {"repetition_penalty": 1.2, "temperature": 0.8, "seed": 3},
+        {"logit_bias": ((7, 5.0),), "temperature": 1.0, "top_k": 10, "seed": 4},
+        {"presence_penalty": 2.0, "repetition_penalty": 0.9},
+    ]
+    rng = random.Random(5)
+    rows = []
+    for i, o in enumerate(options):
+        s = Sequence(i, [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))], SamplingParams(**o))
+        s.tokens += [rng.randrange(vocab) for _ in range(rng.randrange(0, 15))]
+        rows.append(s)
+    logits = torch.randn(len(rows), vocab)
+    together = _processed(sampler, logits, rows)
+    for i, s in enumerate(rows):
+        assert torch.allclose(together[i], _processed(sampler, logits[i : i + 1], [s])[0])
+    assert torch.equal(together[0], logits[0])
+    drawn = sampler.sample(logits.clone(), rows)
+    assert drawn == [sampler.sample(logits[i : i + 1].clone(), [s])[0] for i, s in enumerate(rows)]
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
+    torch.manual_seed(6)
+    vocab = 500
+    sampler = Sampler([], vocab)
+    logits = torch.randn(4, vocab) * 2
+    rows = [
+        seq(SamplingParams(logprobs=5, temperature=0.7, seed=1, frequency_penalty=1.0), 3, 0),
+        seq(SamplingParams(), 0, 1),
+        seq(SamplingParams(logprobs=0), 0, 2),
+        seq(SamplingParams(logprobs=20, logit_bias=((9, 50.0),)), 0, 3),
+    ]
+    out = sampler.run(logits.clone(), rows)
+    reference = torch.log_softmax(logits.double(), -1)
+    assert out.logprobs[1] is None and out.tokens[3] == 9  # the bias decides, the logprob stays the model's
+    for i, k in ((0, 5), (2, 0), (3, 20)):
+        lp = out.logprobs[i]
+        assert abs(lp.logprob - float(reference[i, out.tokens[i]])) < 1e-5
+        values, ids = torch.topk(reference[i], k)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert all(abs(v - float(w)) < 1e-5 for (_, v), w in zip(lp.top, values, strict=True))
+    assert out.tokens[2] == int(logits[2].argmax())
+    plain = sampler.run(logits[1:2].clone(), [rows[1]])
+    assert plain.logprobs == [] and plain.tokens == [int(logits[1].argmax())]
