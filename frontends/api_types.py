@@ -96,30 +96,32 @@ class StreamOptions(msgspec.Struct):
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
-    does. Refused unless neutral (400 naming the field): n > 1, logprobs, echo, best_of, suffix,
-    logit_bias, penalties, tools, response_format."""
+    does. Refused unless neutral (400 naming the field): best_of other than n, suffix, tools, response_format;
+    logprobs with stream (logprobs are not streamed yet); echo with logprobs (prompt logprobs are not
+    computed). ``n`` is at most the engine's running slots; ``logprobs``/``top_logprobs`` at most 20."""
 
     model: str
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    n: int | None = None
+    n: Annotated[int, Meta(ge=1)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # token id -> added to its logit
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     user: str | None = None
     # vLLM's extensions
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 = off
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None  # HF's, over prompt and output; 1 = off
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -151,10 +153,20 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions shape: per generated token its text, logprob, the top alternatives by text,
+    and where it starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None  # "stop" | "length"; null in a stream's text chunks
 
 
@@ -175,10 +187,27 @@ class ChatMessageOut(msgspec.Struct):
     content: str
 
 
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's UTF-8 bytes
+
+
+class TokenLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]  # the `top_logprobs` most likely tokens at this place
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprobOut]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str
 
 
@@ -199,7 +228,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None  # a choice's whole logprobs, with its last chunk (not yet token by token)
     finish_reason: str | None
 
 

@@ -28,13 +28,17 @@ from zserve.frontends.api_types import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     MiiRequest,
     OpenAIError,
     OpenAIErrorDetail,
+    TokenLogprobOut,
+    TopLogprobOut,
     Usage,
     decode_body,
 )
@@ -44,20 +48,22 @@ from zserve.model import Model
 
 _json = msgspec.json.Encoder()
 # OpenAI fields that would change the output and that we do not implement: refused, never ignored.
-_UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "best_of": 1, "suffix": None,
-                "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None,
-                "response_format": None}  # fmt: skip
+_UNSUPPORTED = {"suffix": None, "tools": None, "response_format": None}
+_MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (OpenAI's own limits: 20 for chat, 5 for completions)
 
 
-def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None, max_n: int) -> dict[str, Any]:
     """The GenerateRequest fields (less prompt/messages) for an OpenAI body, with vLLM's extensions
-    (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``)."""
+    (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``, ``repetition_penalty``)."""
     for name, neutral in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != neutral and not (name.endswith("logprobs") and not value):
+        if value is not None and value != neutral:
             raise BadRequest(f"`{name}` is not supported by this server", field=name)
-    if body.get("n") not in (None, 1):
-        raise BadRequest("only n=1 is supported", field="n")
+    n = body.get("n") or 1
+    if n > max_n:
+        raise BadRequest(f"n={n} is more than this model's engine runs at once ({max_n})", field="n")
+    if body.get("best_of") not in (None, n):
+        raise BadRequest("best_of is only supported equal to n", field="best_of")
     sampling: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
     if max_tokens is not None:
@@ -65,7 +71,9 @@ def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> di
     temperature = body.get("temperature")
     sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default is 1, not greedy
     for ours, theirs in (("top_p", "top_p"), ("seed", "seed"), ("ignore_eos", "ignore_eos"),
-                         ("min_new_tokens", "min_tokens"), ("stop_token_ids", "stop_token_ids")):  # fmt: skip
+                         ("min_new_tokens", "min_tokens"), ("stop_token_ids", "stop_token_ids"),
+                         ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                         ("repetition_penalty", "repetition_penalty"), ("logit_bias", "logit_bias")):  # fmt: skip
         if body.get(theirs) is not None:
             sampling[ours] = body[theirs]
     top_k = body.get("top_k")
@@ -75,6 +83,24 @@ def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None) -> di
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
     return sampling
+
+
+def _logprobs(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS:
+        raise BadRequest(f"`{field}` must be an integer from 0 to {_MAX_LOGPROBS}", field=field)
+    return value
+
+
+def _choices(items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Each prompt's ``n`` choices, each its own sequence (they share the prompt's KV blocks through the
+    prefix cache once computed); a seed gives choice j the seed + j, so every choice is reproducible."""
+    if n == 1:
+        return items
+    out = []
+    for item in items:
+        seed = item.get("seed")
+        out += [item if seed is None else {**item, "seed": seed + j} for j in range(n)]
+    return out
 
 
 def _chat_messages(messages: Any) -> list[dict[str, str]]:
@@ -158,40 +184,47 @@ class _OpenAIRoute(_GenerateRoute):
             name = body.get("model")
             model = self._model(name)
             named.append(name)
-            items = self._requests(model, body)
+            prompts = self._requests(model, body)
+            items = _choices(prompts, body.get("n") or 1)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+            prefixes = self._prefixes(body, prompts, len(items) // len(prompts))
             if body.get("stream"):
-                if len(items) != 1:
+                if len(prompts) != 1:
                     raise BadRequest("streaming takes one prompt per request", field="prompt")
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                stream = self.client.generate_stream(items[0], model=name, decoded=True)
+                streams = [self.client.generate_stream(item, model=name, decoded=True) for item in items]
                 try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
-                    first: str | None = await anext(stream)
-                except StopAsyncIteration:
-                    first = None  # finished without text
+                    firsts = await asyncio.gather(*(_first(s) for s in streams))
                 except BaseException:
-                    await stream.aclose()
+                    for s in streams:
+                        await s.aclose()
                     raise
-                resp.sse = self._stream(stream, first, meta, usage)
+                resp.sse = self._stream(streams, firsts, prefixes, meta, usage, len(items))
                 resp.set_header("Cache-Control", "no-cache")
                 return
             responses = await asyncio.gather(*(self._run(name, item) for item in items))
-            resp.data = _json.encode(self._completion(meta, responses))
+            resp.data = _json.encode(self._completion(meta, responses, prefixes, len(items) // len(prompts)))
             resp.content_type = falcon.MEDIA_JSON
 
         await self._answer(resp, openai_error, work)
 
-    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse]) -> Any:
-        prompt_tokens = sum(r.prompt_length for r in responses)
+    def _prefixes(self, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[str]:
+        """The text each choice starts with (completions' ``echo``: its prompt)."""
+        return [""] * (len(prompts) * n)
+
+    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse], prefixes: list[str], n: int) -> Any:
+        # usage: each prompt once (as OpenAI and vLLM count it; its n choices share it), every choice's tokens
+        prompt_tokens = sum(r.prompt_length for r in responses[::n])
         completion_tokens = sum(r.generated_length for r in responses)
-        choices = [self._choice(i, r) for i, r in enumerate(responses)]
+        choices = [self._choice(i, r, prefixes[i]) for i, r in enumerate(responses)]
         return self.answer_type(**meta, object=self.object_name, choices=choices,
                                 usage=_usage(prompt_tokens, completion_tokens))  # fmt: skip
 
-    def _choice(self, index: int, response: GenerateResponse) -> Any:
+    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> Any:
         raise NotImplementedError
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> Any:
+    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> Any:
+        """A streamed chunk's choice; ``end``: the choice's whole response, with its last chunk."""
         raise NotImplementedError
 
     def _event(self, meta: dict[str, Any], choices: list[Any], usage: Usage | None = None) -> falcon.asgi.SSEvent:
@@ -199,25 +232,65 @@ class _OpenAIRoute(_GenerateRoute):
         return falcon.asgi.SSEvent(data=_json.encode(chunk))
 
     async def _stream(
-        self, stream: AsyncGenerationStream, first_text: str | None, meta: dict[str, Any], usage: bool
+        self,
+        streams: list[AsyncGenerationStream],
+        firsts: list[str | None],
+        prefixes: list[str],
+        meta: dict[str, Any],
+        usage: bool,
+        n: int,
     ) -> AsyncIterator[Any]:
+        """The choices' deltas as they come (each choice's first chunk carries the role, its last the
+        finish_reason and, if asked, its logprobs), then usage, then ``[DONE]``."""
+        news: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncGenerationStream) -> None:
+            try:
+                async for text in stream:
+                    news.put_nowait((index, text))
+                news.put_nowait((index, stream.response))
+            except ZserveError as exc:
+                news.put_nowait((index, exc))
+
+        pumps: list[asyncio.Task] = []
         try:
-            if first_text is not None:
-                yield self._event(meta, [self._delta(first_text, True, None)])
-            first = first_text is None
-            async for text in stream:
-                yield self._event(meta, [self._delta(text, first, None)])
-                first = False
-            r = stream.response
-            yield self._event(meta, [self._delta(None, first, r.finish_reason)])
+            for i, first in enumerate(firsts):
+                text = prefixes[i] + (first or "")
+                if text or len(firsts) > 1:
+                    yield self._event(meta, [self._delta(i, text, True, None)])
+            started = [bool(prefixes[i] or first or len(firsts) > 1) for i, first in enumerate(firsts)]
+            pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+            ended: list[GenerateResponse] = []
+            while len(ended) < len(streams):
+                index, item = await news.get()
+                if isinstance(item, ZserveError):
+                    raise item
+                if isinstance(item, str):
+                    yield self._event(meta, [self._delta(index, item, not started[index], None)])
+                else:
+                    ended.append(item)
+                    yield self._event(meta, [self._delta(index, None, not started[index], item)])
+                started[index] = True
             if usage:
-                yield self._event(meta, [], _usage(r.prompt_length, r.generated_length))
+                completion_tokens = sum(r.generated_length for r in ended)
+                yield self._event(meta, [], _usage(ended[0].prompt_length, completion_tokens))
         except ZserveError as exc:  # the status line is out already: the error travels as an event
             error = OpenAIError(OpenAIErrorDetail(exc.message, exc.type_name, exc.field or None, None))
             yield falcon.asgi.SSEvent(data=_json.encode(error))
         finally:
-            await stream.aclose()  # the client went away mid-stream: cancel, free the KV blocks
+            for task in pumps:
+                task.cancel()
+            for stream in streams:
+                await stream.aclose()  # the client went away mid-stream: cancel, free the KV blocks
         yield falcon.asgi.SSEvent(data=b"[DONE]")
+
+
+async def _first(stream: AsyncGenerationStream) -> str | None:
+    """A stream's first text, None when it finished without any."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -233,14 +306,26 @@ class CompletionsResource(_OpenAIRoute):
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
             raise BadRequest("`prompt` must be a string or a list of strings", field="prompt")
-        sampling = _openai_sampling(body, default_max_tokens=16)  # OpenAI's default for completions
+        sampling = _openai_sampling(body, 16, _max_running(model))  # 16: OpenAI's default for completions
+        logprobs = body.get("logprobs")
+        if logprobs is not None and logprobs is not False:
+            if body.get("echo"):
+                raise BadRequest("echo with logprobs (the prompt's logprobs) is not supported", field="echo")
+            sampling["logprobs"] = _logprobs(logprobs, "logprobs")
         return [decode_item(model, {"prompt": p, **sampling}) for p in prompts]
 
-    def _choice(self, index: int, response: GenerateResponse) -> CompletionChoice:
-        return CompletionChoice(index, response.generated_text, None, response.finish_reason)
+    def _prefixes(self, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[str]:
+        if not body.get("echo"):
+            return [""] * (len(prompts) * n)
+        return [p["prompt"] for p in prompts for _ in range(n)]
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> CompletionChoice:
-        return CompletionChoice(0, text or "", None, finish_reason)
+    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> CompletionChoice:
+        logprobs = None if response.logprobs is None else _completion_logprobs(response, len(prefix))
+        return CompletionChoice(index, prefix + response.generated_text, logprobs, response.finish_reason)
+
+    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> CompletionChoice:
+        logprobs = None if end is None or end.logprobs is None else _completion_logprobs(end, 0)
+        return CompletionChoice(index, text or "", logprobs, end.finish_reason if end else None)
 
 
 class ChatCompletionsResource(_OpenAIRoute):
@@ -252,15 +337,50 @@ class ChatCompletionsResource(_OpenAIRoute):
     chunk_type = ChatCompletionChunk
 
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        sampling = _openai_sampling(body, default_max_tokens=None)  # None: the model's default
+        sampling = _openai_sampling(body, None, _max_running(model))  # None: the model's default
+        top = body.get("top_logprobs")
+        if body.get("logprobs"):
+            sampling["logprobs"] = _logprobs(top or 0, "top_logprobs")
+        elif top:
+            raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
         return [decode_item(model, {"messages": _chat_messages(body.get("messages")), **sampling})]
 
-    def _choice(self, index: int, response: GenerateResponse) -> ChatChoice:
-        return ChatChoice(index, ChatMessageOut("assistant", response.generated_text), None, response.finish_reason)
+    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> ChatChoice:
+        message = ChatMessageOut("assistant", response.generated_text)
+        return ChatChoice(index, message, _chat_logprobs(response), response.finish_reason)
 
-    def _delta(self, text: str | None, first: bool, finish_reason: str | None) -> ChatChunkChoice:
+    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> ChatChunkChoice:
         delta = ChatDelta(role="assistant" if first else None, content=text)
-        return ChatChunkChoice(0, delta, None, finish_reason)
+        logprobs = _chat_logprobs(end) if end is not None else None
+        return ChatChunkChoice(index, delta, logprobs, end.finish_reason if end else None)
+
+
+def _max_running(model: Model) -> int:
+    return int(model.options.get("max_running", 64))
+
+
+def _chat_logprobs(response: GenerateResponse) -> ChatLogprobs | None:
+    if response.logprobs is None:
+        return None
+    return ChatLogprobs([
+        TokenLogprobOut(t.token, t.logprob, list(t.token.encode()),
+                        [TopLogprobOut(a.token, a.logprob, list(a.token.encode())) for a in t.top_logprobs])
+        for t in response.logprobs
+    ])  # fmt: skip
+
+
+def _completion_logprobs(response: GenerateResponse, offset: int) -> CompletionLogprobs:
+    tokens, offsets = [], []
+    for t in response.logprobs or []:
+        tokens.append(t.token)
+        offsets.append(offset)
+        offset += len(t.token)
+    return CompletionLogprobs(
+        tokens,
+        [t.logprob for t in response.logprobs or []],
+        [{a.token: a.logprob for a in t.top_logprobs} for t in response.logprobs or []],
+        offsets,
+    )
 
 
 class MiiResource(_GenerateRoute):

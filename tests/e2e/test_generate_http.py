@@ -83,8 +83,14 @@ def test_errors_come_in_openai_shape(oai):
     assert info.value.body["param"] == "model"
     cases = [
         ({"temperature": -1}, "temperature"),
-        ({"n": 2}, "n"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"n": 9}, "n"),  # past the engine's 8 running slots
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "x"}, "suffix"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 100_000}, "max_new_tokens"),
     ]
@@ -102,6 +108,76 @@ def test_errors_come_in_openai_shape(oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="tiny", messages=[])
     assert info.value.body["param"] == "messages"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(**chat, extra_body=extra)
+        assert info.value.body["param"] == param, extra
+
+
+def test_chat_logprobs_and_completion_logprobs(oai):
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 8
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0 and t.bytes == list(t.token.encode())
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6
+    plain = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                              logprobs=True, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    out = oai.completions.create(model="tiny", prompt="DeepSpeed is", max_tokens=6, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_n_choices_are_seeded_each_and_usage_counts_every_choice(oai):
+    args = {"model": "tiny", "prompt": "Seattle is", "max_tokens": 10, "temperature": 1.0, "seed": 11,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    four = oai.completions.create(n=4, **args)
+    again = oai.completions.create(n=4, **args)
+    texts = [c.text for c in four.choices]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1  # each choice its own sequence
+    one = oai.completions.create(**{**args, "seed": 13})
+    assert one.choices[0].text == texts[2]  # choice j draws with seed + j, whatever the batch
+    assert four.usage.completion_tokens == 40 and four.usage.prompt_tokens == one.usage.prompt_tokens
+    events = list(oai.completions.create(n=4, stream=True, stream_options={"include_usage": True}, **args))
+    streamed = ["".join(e.choices[0].text for e in events if e.choices and e.choices[0].index == i) for i in range(4)]
+    assert streamed == texts and events[-1].usage.completion_tokens == 40
+    finished = [e.choices[0].index for e in events if e.choices and e.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2, 3]
+    chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
+                                       max_tokens=5, extra_body={"ignore_eos": True})  # fmt: skip
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == 10
+
+
+def test_penalties_bias_and_echo(oai):
+    args = {"model": "tiny", "prompt": "DeepSpeed is", "max_tokens": 12, "temperature": 0, "logprobs": 0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = oai.completions.create(**args)
+    tokens = plain.choices[0].logprobs.tokens
+    assert len(set(tokens)) < len(tokens)  # a tiny random model repeats itself
+    fresh = oai.completions.create(**args, frequency_penalty=2.0, presence_penalty=2.0)
+    assert len(set(fresh.choices[0].logprobs.tokens)) > len(set(tokens))
+    repeated = oai.completions.create(**{**args, "extra_body": {"ignore_eos": True, "repetition_penalty": 2.0}})
+    assert repeated.choices[0].text != plain.choices[0].text
+    forced = oai.completions.create(**{**args, "max_tokens": 4}, logit_bias={"7": 100})
+    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+    echoed = oai.completions.create(model="tiny", prompt="DeepSpeed is", max_tokens=12, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert echoed.choices[0].text == "DeepSpeed is" + plain.choices[0].text
 
 
 def test_mii_rest_benchmark_requests_run_unchanged(served):
