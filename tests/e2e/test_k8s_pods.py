@@ -37,6 +37,8 @@ from zserve.k8s import RenderOptions, plan, render
 from zserve.keys import generate
 
 VENV_BIN = str(Path(sys.executable).parent)
+# What the pods run from, where it lies under /tmp (over which each pod mounts its own /tmp volume)
+_UNDER_TMP = [p for p in (Path(__file__).resolve(), Path(VENV_BIN)) if p.is_relative_to("/tmp")]
 
 CONFIG = """
 [supervisor]
@@ -195,8 +197,16 @@ class Pod:
         # The pod's filesystem view: its volumes over the paths its container mounts them at (/tmp last: the
         # other volumes' sources are under this machine's /tmp)
         mounts.sort(key=lambda m: m[1] == "/tmp")
-        binds = " && ".join(f"mkdir -p {shlex.quote(t)} && mount --bind {shlex.quote(str(s))} {shlex.quote(t)}"
-                            for s, t in mounts)  # fmt: skip
+        binds = []
+        for source, target in mounts:
+            if target == "/tmp":  # a checkout or virtualenv under this machine's /tmp (a CI clone) stays visible
+                for top in sorted({Path("/tmp", p.relative_to("/tmp").parts[0]) for p in _UNDER_TMP}):
+                    kept = source / top.name
+                    binds.append(f"mkdir -p {shlex.quote(str(kept))} && mount --bind {shlex.quote(str(top))} "
+                                 f"{shlex.quote(str(kept))}")  # fmt: skip
+            binds.append(f"mkdir -p {shlex.quote(target)} && mount --rbind {shlex.quote(str(source))} "
+                         f"{shlex.quote(target)}")  # fmt: skip
+        binds = " && ".join(binds)
         script = f'{binds} && exec {shlex.join(self.as_user)} "$@"'
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "sh", "-c", script, "pod", *argv], env=env,
