@@ -96,7 +96,7 @@ class StreamOptions(msgspec.Struct):
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
-    does. Refused unless neutral (400 naming the field): best_of other than n, suffix, tools, response_format;
+    does. Refused unless neutral (400 naming the field): best_of other than n, suffix, tools;
     logprobs with stream (logprobs are not streamed yet); echo with logprobs (prompt logprobs are not
     computed). ``n`` is at most the engine's running slots; ``logprobs``/``top_logprobs`` at most 20."""
 
@@ -112,6 +112,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     seed: Int64 | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # structured output: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output must match
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # token id -> added to its logit
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
@@ -144,7 +147,6 @@ class ChatMessageIn(msgspec.Struct):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     tools: list[Any] | None = None
-    response_format: Any | None = None
 
 
 class Usage(msgspec.Struct):

@@ -48,7 +48,7 @@ from zserve.model import Model
 
 _json = msgspec.json.Encoder()
 # OpenAI fields that would change the output and that we do not implement: refused, never ignored.
-_UNSUPPORTED = {"suffix": None, "tools": None, "response_format": None}
+_UNSUPPORTED = {"suffix": None, "tools": None}
 _MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (OpenAI's own limits: 20 for chat, 5 for completions)
 
 
@@ -82,7 +82,30 @@ def _openai_sampling(body: dict[str, Any], default_max_tokens: int | None, max_n
     stop = body.get("stop")
     if stop is not None:
         sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    sampling.update(_structured(body))
     return sampling
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any]:
+    """``response_format`` (text, json_object, json_schema) or vLLM's ``guided_json`` as GenerateRequest's
+    ``json_object`` / ``json_schema`` (the schema as JSON text, compiled by the engine)."""
+    guided = body.get("guided_json")
+    if guided is not None:
+        return {"json_schema": guided if isinstance(guided, str) else _json.encode(guided).decode()}
+    fmt = body.get("response_format")
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format json_schema needs json_schema.schema, an object", field="response_format")
+        return {"json_schema": _json.encode(schema).decode()}
+    raise BadRequest("response_format.type must be text, json_object or json_schema", field="response_format")
 
 
 def _logprobs(value: Any, field: str) -> int:

@@ -43,6 +43,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}  # token id (as a string) -> bias
     # the sampled tokens' log-probabilities under the model, each with the `logprobs` most likely tokens'
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # structured output: any JSON object, or a JSON value matching this JSON schema (JSON text)
+    json_object: bool = False
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -24,7 +24,7 @@ import torch
 
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse, TokenLogprob, TopLogprob
-from zserve.stages.generate import cpu_linear
+from zserve.stages.generate import cpu_linear, grammar
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
 from zserve.stages.generate.llama import own_model
@@ -92,6 +92,7 @@ class GenerativeEngine:
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._token_texts: dict[int, str] = {}  # logprobs' token strings (the output thread's)
+        self._grammars: Any = None  # grammar.Grammars, made on the first structured request
 
     @classmethod
     def load(
@@ -179,9 +180,20 @@ class GenerativeEngine:
             min_new_tokens=request.min_new_tokens, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
             logit_bias=self._logit_bias(request.logit_bias),
-            logprobs=-1 if request.logprobs is None else request.logprobs,
+            logprobs=-1 if request.logprobs is None else request.logprobs, grammar=self._grammar(request),
         )  # fmt: skip
         return PreparedPrompt(ids, params, list(request.stop))
+
+    def _grammar(self, request: GenerateRequest) -> Any:
+        """The compiled grammar of a structured request (compiled here, on the caller's thread, and cached)."""
+        if not request.json_object and request.json_schema is None:
+            return None
+        if self._grammars is None:
+            if not grammar.available():
+                raise BadRequest("structured output needs xgrammar on the engine: pip install 'zserve[structured]'",
+                                 field="response_format")  # fmt: skip
+            self._grammars = grammar.Grammars(self.tokenizer, self.core.sampler.vocab_size)
+        return self._grammars.compile(request.json_schema)
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
         vocab = self.core.sampler.vocab_size

@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from zserve.stages.generate import grammar
 from zserve.stages.generate.attention import PagedKVCache, StepMeta, Uploader
 from zserve.stages.generate.block_manager import BlockManager
 from zserve.stages.generate.llama import LlamaFamily
@@ -128,6 +129,8 @@ class EngineCore:
             )
         seq.slots = torch.empty(capacity * self.blocks.block_size, dtype=torch.long)
         seq.table = torch.empty(capacity, dtype=torch.int32)
+        if seq.params.grammar is not None:
+            seq.matcher = grammar.matcher(seq.params.grammar)
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
 
@@ -200,7 +203,9 @@ class EngineCore:
         for seq, token, token_logprobs in zip(sampling, tokens, logprobs, strict=True):
             self.blocks.append(seq.kv, token)
             reason = None
-            if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            if seq.matcher is not None and (not seq.matcher.accept_token(token) or seq.matcher.is_terminated()):
+                reason = "stop"  # the grammar is complete (the token is its stop token, or ends it)
+            elif (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
                 reason = "stop"
             elif seq.num_generated >= seq.params.max_new_tokens:
                 reason = "length"

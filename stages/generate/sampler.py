@@ -15,7 +15,8 @@ eos and stop ids are banned until ``min_new_tokens``; ``logit_bias`` is added (o
 biased row); the penalties are applied to the rows that have them, together: the generated tokens of those
 rows are counted into a [rows, vocab] tensor by one ``scatter_add_``; frequency subtracts ``f x count``,
 presence ``p x (count > 0)``, repetition (over prompt and generated tokens, HF's formula) divides positive
-logits by ``r`` and multiplies negative ones. A step without any of these options runs none of it.
+logits by ``r`` and multiplies negative ones; then the tokens a row's grammar forbids are banned (only rows
+with a grammar, ``grammar.py``). A step without any of these options runs none of it.
 
 The sampled ids and, when asked for, their log-probabilities and the top-k alternatives come back to the
 host in one copy (one float64 tensor: token ids are exact in it).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zserve.stages.generate import grammar
 from zserve.stages.generate.sequence import Sequence
 
 _DRAWS = 16  # rejection rounds of top-p per token (then the rows still drawing are sorted)
@@ -95,6 +97,9 @@ class Sampler:
         self._ban_early_stops(logits, seqs)
         self._bias(logits, seqs)
         self._penalise(logits, seqs)
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            grammar.mask(logits, constrained, [seqs[i].matcher for i in constrained])
         tokens = self._tokens(logits, seqs)
         if raw is None:
             return Sampled(tokens.tolist(), [])

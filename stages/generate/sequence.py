@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zserve.stages.generate.block_manager import SeqBlocks
 
@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; logits of seen tokens: positive / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's log-probability and the k most likely
+    grammar: Any = None  # an xgrammar CompiledGrammar the output must follow (grammar.py)
 
     @property
     def penalised(self) -> bool:
@@ -51,6 +52,7 @@ class Sequence:
     # EngineCore._sync): every KV slot of the sequence, and its block table
     slots: torch.Tensor | None = None
     table: torch.Tensor | None = None
+    matcher: Any = None  # the grammar's state after the generated tokens (params.grammar's GrammarMatcher)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

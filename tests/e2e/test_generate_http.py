@@ -9,13 +9,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
 import openai
+import pydantic
 import pytest
 from tinylm import build_tiny_lm
 
 import zserve
+from zserve.stages.generate import grammar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import mii_rest_client  # bench/ is not a package: put on sys.path above
@@ -111,7 +114,9 @@ def test_errors_come_in_openai_shape(oai):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                          ({"top_logprobs": 2}, "top_logprobs"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"response_format": {"type": "xml"}}, "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as info:
             oai.chat.completions.create(**chat, extra_body=extra)
@@ -178,6 +183,32 @@ def test_penalties_bias_and_echo(oai):
     echoed = oai.completions.create(model="tiny", prompt="DeepSpeed is", max_tokens=12, temperature=0, echo=True,
                                     extra_body={"ignore_eos": True})  # fmt: skip
     assert echoed.choices[0].text == "DeepSpeed is" + plain.choices[0].text
+
+
+class Item(pydantic.BaseModel):
+    ok: bool
+    n: int = pydantic.Field(ge=0, le=99)
+    tag: Literal["red", "green"]
+
+
+@pytest.mark.skipif(not grammar.available(), reason="xgrammar is not installed (the structured extra)")
+def test_structured_output_parses_with_the_openai_client(oai):
+    for i in range(20):
+        out = oai.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": f"item {i}"}],
+                                         response_format=Item, temperature=1.0, seed=i, max_tokens=60)  # fmt: skip
+        assert out.choices[0].finish_reason == "stop" and isinstance(out.choices[0].message.parsed, Item)
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json please"}], n=8,
+                                      response_format={"type": "json_object"}, temperature=1.0, seed=5,
+                                      max_tokens=200)  # fmt: skip
+    finished = [c for c in out.choices if c.finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(c.message.content), dict) for c in finished)
+    done = oai.completions.create(model="tiny", prompt="x", max_tokens=60, temperature=1.0, seed=1,
+                                  extra_body={"guided_json": Item.model_json_schema()})  # fmt: skip
+    Item.model_validate_json(done.choices[0].text)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], response_format=bad)
+    assert info.value.body["param"] == "response_format"
 
 
 def test_mii_rest_benchmark_requests_run_unchanged(served):
