@@ -124,9 +124,7 @@ class SentenceEmbedding(TextModel):
     def setup_preprocess(self) -> None:
         from sentence_transformers import SentenceTransformer
 
-        self.stage = st_library.load(SentenceTransformer, self.folder(), None)
-        if self.max_length:
-            self.stage.max_seq_length = min(self.max_length, self.stage.max_seq_length or self.max_length)
+        self.stage = st_library.stage_copy(SentenceTransformer, self.folder(), self.max_length)
         self.limit = self.stage.max_seq_length
         self.tokenizer = self.stage.tokenizer
         self.vocab_size = self.stage[0].config.vocab_size

@@ -57,9 +57,7 @@ class CrossEncoderRerank(TextModel):
     def setup_preprocess(self) -> None:
         from sentence_transformers import CrossEncoder
 
-        self.stage = st_library.load(CrossEncoder, self.folder(), None)
-        if self.max_length:
-            self.stage.max_seq_length = min(self.max_length, self.stage.max_seq_length or self.max_length)
+        self.stage = st_library.stage_copy(CrossEncoder, self.folder(), self.max_length)
         self.limit = self.stage.max_seq_length
         self.tokenizer = self.stage.tokenizer
 

@@ -58,6 +58,15 @@ def load(cls: type, folder: str, device: str | None, **kwargs: Any) -> Any:
         raise ModelLoadError(f"{folder}: sentence-transformers cannot load this folder: {why}") from exc
 
 
+def stage_copy(cls: type, folder: str, max_length: int) -> Any:
+    """The stage's copy of ``cls(folder)`` (weights on ``meta``), truncating at ``max_length`` tokens where that is
+    below the model's own limit (0: the model's)."""
+    model = load(cls, folder, None)
+    if max_length:
+        model.max_seq_length = min(max_length, model.max_seq_length or max_length)
+    return model
+
+
 def group_rows(keys: list[Any]) -> list[list[int]]:
     """Row indices grouped by key, groups in order of first appearance."""
     groups: dict[Any, list[int]] = {}
