@@ -14,7 +14,7 @@ from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest
 from zserve.stages.generate import grammar
 
-pytestmark = pytest.mark.skipif(not grammar.available(), reason="xgrammar is not installed (the structured extra)")
+needs_xgrammar = pytest.mark.skipif(not grammar.available(), reason="xgrammar is not installed (the structured extra)")
 
 SCHEMA = {
     "type": "object",
@@ -33,6 +33,7 @@ def engine(tmp_path_factory):
     return GenerativeEngine.load(str(path), options=EngineOptions(num_blocks=512, block_size=8, max_new_tokens=64))
 
 
+@needs_xgrammar
 def test_json_schema_output_matches_the_schema_under_sampling(engine):
     schema = json.dumps(SCHEMA)
     requests = [GenerateRequest(prompt=f"item {i}:", temperature=1.0, seed=i, max_new_tokens=40, json_schema=schema)
@@ -47,6 +48,7 @@ def test_json_schema_output_matches_the_schema_under_sampling(engine):
     assert out[-1].generated_text == engine.generate([plain])[0].generated_text
 
 
+@needs_xgrammar
 def test_json_object_is_valid_json_whenever_it_finishes(engine):
     requests = [GenerateRequest(prompt="{", temperature=1.0, seed=100 + i, max_new_tokens=64, json_object=True)
                 for i in range(16)]  # fmt: skip
@@ -59,6 +61,7 @@ def test_json_object_is_valid_json_whenever_it_finishes(engine):
         assert r.generated_text.lstrip().startswith("{")
 
 
+@needs_xgrammar
 def test_a_bad_schema_is_a_bad_request_naming_response_format(engine):
     with pytest.raises(BadRequest) as info:
         engine.prepare(GenerateRequest(prompt="x", json_schema='{"type": "nonsense"}'))
@@ -66,3 +69,13 @@ def test_a_bad_schema_is_a_bad_request_naming_response_format(engine):
     with pytest.raises(BadRequest) as info:
         engine.prepare(GenerateRequest(prompt="x", json_schema="{not json"))
     assert info.value.field == "response_format"
+
+
+def test_without_xgrammar_a_structured_request_is_a_bad_request_and_a_plain_one_is_not(engine, monkeypatch):
+
+    monkeypatch.setattr(grammar, "available", lambda: False)
+    monkeypatch.setattr(engine, "_grammars", None)
+    with pytest.raises(BadRequest) as info:
+        engine.prepare(GenerateRequest(prompt="x", json_object=True))
+    assert info.value.field == "response_format" and "xgrammar" in info.value.message
+    assert engine.prepare(GenerateRequest(prompt="x")).params.grammar is None
