@@ -185,19 +185,18 @@ class Scheduler:
             while queue:
                 # An idle engine with nothing on its way takes a staged model's batch itself if its preprocess is
                 # cheap (Model.preprocess_in_idle_engine): through a stage, the hops are all the engine waits for.
-                direct = False
-                if role == PREPROCESS and self._engine_would_wait(model):
-                    engine = self.pool.best(model, ENGINE)
-                    direct = engine is not None and engine.preprocesses and not engine.in_flight
+                would_wait = role == PREPROCESS and self._engine_would_wait(model)
+                engine = self.pool.best(model, ENGINE) if would_wait else None
+                direct = engine is not None and engine.preprocesses and not engine.in_flight
                 if role == PREPROCESS and not direct and not self._feeds_stage(model):
                     break
-                worker = self.pool.best(model, ENGINE if direct else role)
+                worker = engine if direct else self.pool.best(model, role)
                 if worker is None:
                     break
                 oldest_s = next(iter(queue.values()))
                 # With a stage, a partial batch leaves only if an engine would otherwise wait for it;
                 # while engines are busy the batch keeps filling (as a busy engine without credit would).
-                partial_ok = role == ENGINE or self._engine_would_wait(model)
+                partial_ok = role == ENGINE or would_wait
                 full = len(queue) >= policy.max_batch_size or (
                     policy.max_batch_cost and self._queued_cost[model] >= policy.max_batch_cost
                 )
