@@ -169,11 +169,13 @@ def test_a_folder_the_library_cannot_load_fails_naming_it(encoders, tmp_path):
         assert "no_such_module" in str(info.value)
 
 
-def test_bfloat16_is_within_cosine_0_999_of_float32(encoders, tmp_path):
+def test_bfloat16_takes_effect_on_a_stack_and_stays_close(encoders, tmp_path):
+    # The 0.999 accuracy claim is checked on real weights (test_minilm_bfloat16_...): a tiny random encoder amplifies
+    # bf16 rounding, and how much depends on the CPU's bf16 kernels (CI's gave 0.99898 where this machine's pass 0.999).
     folder = build_stack(encoders["bert"], tmp_path / "s", "mean", normalize=True)
     fp32 = np.stack(_served(folder, dtype="float32").embed(SENTENCES))
     bf16 = np.stack(_served(folder, dtype="bfloat16").embed(SENTENCES))
-    assert _cosines(fp32, bf16).min() > 0.999
+    assert 0.99 < _cosines(fp32, bf16).min() < 0.99999  # close, and not computed in fp32
 
 
 @pytest.mark.parametrize("stack", [{"normalize": True}, {"dense": 8, "prompts": PROMPTS, "include_prompt": False}])
@@ -214,7 +216,7 @@ def test_minilm_equals_sentence_transformers(minilm):
 
 def test_minilm_bfloat16_is_within_cosine_0_999_of_float32(minilm):
     bf16 = np.stack(_served(bundled_minilm_path(), dtype="bfloat16").embed(SENTENCES))
-    assert _cosines(np.stack(minilm.embed(SENTENCES)), bf16).min() > 0.999
+    assert 0.999 < _cosines(np.stack(minilm.embed(SENTENCES)), bf16).min() < 0.99999  # close, and really bf16
 
 
 def test_minilm_onnx_equals_torch_and_int8_stays_close(minilm, tmp_path, monkeypatch):
