@@ -32,10 +32,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from zserve.batching.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
+from zserve.batching.workers import ENGINE, PREPROCESS, InFlightBatch, Worker, WorkerPool
 from zserve.broker.requests import Request, RequestTable
-from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
 from zserve.broker.stats import ModelStats
-from zserve.broker.workers import ENGINE, PREPROCESS, InFlightBatch, Worker, WorkerPool
 from zserve.config import Config
 from zserve.protocol import (
     PROTOCOL_VERSION,

@@ -2,9 +2,9 @@
 
 Many caller threads (or coroutines) call ``streamer.predict(items)``; their items are batched together
 and run through the batch function by ``workers`` worker threads, or by ``processes`` spawned worker
-processes. The batching policy is the broker's own pure ``Scheduler`` (same triggers: full by count,
-``max_wait_ms``, an idle worker takes a lone request at once), driven here with a real clock by the
-worker threads themselves.
+processes. The batching policy is the pure ``Scheduler`` the broker runs too (``zserve.batching``; same
+triggers: full by count, ``max_wait_ms``, an idle worker takes a lone request at once), driven here with a
+real clock by the worker threads themselves.
 
 Items and results cross to worker processes through multiprocessing pipes (pickled): a Streamer runs
 the caller's own code on the caller's own objects, unlike the wire protocol between zserve processes.
@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zserve.broker.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
-from zserve.broker.workers import ENGINE, WorkerPool
+from zserve.batching.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
+from zserve.batching.workers import ENGINE, WorkerPool
 from zserve.errors import EngineLost, Overloaded
 from zserve.model import Model, predict_inline, setup_inline
 
@@ -115,7 +115,7 @@ class Streamer:
     (``devices[i]`` each, via CUDA_VISIBLE_DEVICES for ``cuda:N``) and never in this one.
 
     ``max_batch_cost`` with ``cost`` (item -> int, e.g. its tokens; a ``Model``'s own ``cost`` if not
-    given) batches by cost exactly as the broker does (see ``zserve.broker.scheduler``).
+    given) batches by cost exactly as the broker does (see ``zserve.batching.scheduler``).
     """
 
     def __init__(

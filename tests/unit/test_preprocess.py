@@ -7,8 +7,8 @@ import pytest
 from testmodels import MisplacedTokenizer, Picky, Staged
 
 from zserve import Model, payload
-from zserve.broker.scheduler import BatchPolicy, Scheduler
-from zserve.broker.workers import WorkerPool
+from zserve.batching.scheduler import BatchPolicy, Scheduler
+from zserve.batching.workers import WorkerPool
 from zserve.hooks import HookError, check_preprocess_hooks, uses_preprocess
 from zserve.protocol import Batch, Status
 from zserve.stages.engine import BatchRunner

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from zserve.broker.scheduler import Admission, BatchPolicy, Scheduler
-from zserve.broker.workers import WorkerPool
+from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
+from zserve.batching.workers import WorkerPool
 
 
 def make(max_batch_size: int = 4, max_wait_ms: float = 10.0, max_queue: int = 100, workers: int = 1, credits: int = 2):

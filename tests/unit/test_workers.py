@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from zserve.broker.workers import WorkerPool
+from zserve.batching.workers import WorkerPool
 
 
 def test_silent_workers_expire_with_their_batches():

@@ -32,7 +32,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from zserve.broker.workers import ENGINE, PREPROCESS, Worker, WorkerPool
+from zserve.batching.workers import ENGINE, PREPROCESS, Worker, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
