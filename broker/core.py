@@ -12,38 +12,31 @@ here each sequence is a batch of one, admitted to the least-loaded engine with a
 credits are its ``max_running``). A cancel, a passed deadline or a client that is gone aborts the sequence
 in its engine at once.
 
-A worker that holds work but makes no progress (no result, no engine step) for its model's
-``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
-dropped, its batches are re-dispatched as for a lost worker, its Hellos are ignored from then on, it is told
-to exit (``Replace``: its IO thread lives on) and the shell is asked to kill it as well (``take_kills``, for
-a worker whose IO thread is stuck too), so that its supervisor starts a fresh one. The items of the batch
-it was computing go again one per batch, as suspects: a worker that stalls on a suspect is hung after a few
-batch times (``SUSPECT_BATCHES``, at least ``SUSPECT_FLOOR_S``), so a request that hangs every engine is
-answered ENGINE_LOST after about ``batch_timeout_s`` plus that, and its batch-mates are answered as usual.
-
-Multi-item messages from workers are length-checked: items a worker did not account for (too few statuses,
-too few frames) are answered INTERNAL at once, never left to time out.
+Jobs split out of this module: what is sent (``outbox.py``), the Batch messages (``batches.py``), workers'
+results (``results.py``, which also says how their multi-item messages are length-checked), hung workers
+(``hangs.py``), the health report (``health.py``); the batching policy itself is ``zserve.batching``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from zserve.batching.scheduler import Admission, BatchPolicy, Dispatch, Scheduler
-from zserve.batching.workers import ENGINE, PREPROCESS, InFlightBatch, Worker, WorkerPool
+from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
+from zserve.batching.workers import InFlightBatch, Worker, WorkerPool
+from zserve.broker import hangs, results
+from zserve.broker.batches import batch_message, prepared_batch_message
+from zserve.broker.health import model_health
+from zserve.broker.outbox import ClientOut, ClientSend, WorkSend
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.stats import ModelStats
 from zserve.config import Config
 from zserve.protocol import (
     PROTOCOL_VERSION,
     Abort,
-    Batch,
     BatchResult,
     Cancel,
-    Chunk,
     Chunks,
     HealthQuery,
     HealthReport,
@@ -53,7 +46,6 @@ from zserve.protocol import (
     Leave,
     ModelHealth,
     Msg,
-    Replace,
     Replies,
     Reply,
     Reset,
@@ -64,44 +56,7 @@ from zserve.protocol import (
     Submits,
 )
 
-# A worker computing a suspect (an item of a batch that hung, re-dispatched alone) is hung after this many of
-# its model's slowest batch times without progress, but never sooner than the floor.
-SUSPECT_BATCHES = 4
-SUSPECT_FLOOR_S = 0.5
-
 log = logging.getLogger("zserve.broker")
-
-
-@dataclass(slots=True)
-class ClientSend:
-    """A message for the client ROUTER: ``header`` (to encode) and payload ``frames``, for ``identity``."""
-
-    identity: bytes
-    header: Msg
-    frames: list[Any] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class WorkSend:
-    """A message for the work ROUTER. ``batch_id`` is the Batch it carries (0 for control messages), so
-    that the shell can say which batches never reached a worker it could not send to."""
-
-    worker_id: bytes
-    header: Msg
-    frames: list[Any] = field(default_factory=list)
-    batch_id: int = 0
-
-
-class _ClientOut:
-    """What one client gets at the next flush."""
-
-    __slots__ = ("chunks", "counts", "frames", "replies")
-
-    def __init__(self) -> None:
-        self.chunks: list[Chunk] = []
-        self.replies: list[Reply] = []
-        self.counts: list[int] = []
-        self.frames: list[Any] = []
 
 
 class BrokerCore:
@@ -143,7 +98,7 @@ class BrokerCore:
         self.draining_since: float | None = None
         self.handing_over = False  # stopping to be replaced (a pod's SIGTERM): see start_draining
         self._last_heartbeat_s = float("-inf")
-        self._to_clients: dict[bytes, _ClientOut] = {}
+        self._to_clients: dict[bytes, ClientOut] = {}
         self._client_misc: list[ClientSend] = []
         self._to_work: list[WorkSend] = []
 
@@ -163,10 +118,10 @@ class BrokerCore:
         self._to_clients, self._client_misc, self._to_work = {}, [], []
         return clients, work
 
-    def _out(self, identity: bytes) -> _ClientOut:
+    def _out(self, identity: bytes) -> ClientOut:
         out = self._to_clients.get(identity)
         if out is None:
-            out = self._to_clients[identity] = _ClientOut()
+            out = self._to_clients[identity] = ClientOut()
         return out
 
     def _answer(self, identity: bytes, reply: Reply, frames: list[Any] | tuple[()] = ()) -> None:
@@ -423,135 +378,10 @@ class BrokerCore:
         self.busy_s[key] = self.busy_s.get(key, 0.0) + ms / 1000.0
 
     def on_result(self, msg: BatchResult, frames: list[Any], now: float) -> None:
-        batch = self.pool.finish(msg.batch_id)
-        if batch is None:
-            log.info("dropped late result of batch %d from %s", msg.batch_id, msg.worker)
-            return
-        self._add_busy(batch.model, batch.role, msg.compute_ms)
-        self.pool.progressed(batch.worker_id, now)
-        n = len(batch.item_ids)
-        if batch.role == ENGINE:
-            self.stats[batch.model].batch_done(n, msg.compute_ms / 1000.0, self.pool.ready_count(batch.model))
-            if _accounts_for(n, len(frames), msg):
-                return self._answer_batch(batch, msg, frames, now)
-        payload_frames = len(frames) - msg.prepared_frames if batch.role == PREPROCESS else len(frames)
-        rows, missing = _rows(n, payload_frames, msg.statuses, msg.messages, msg.fields, msg.frame_counts)
-        if missing:
-            why = "batch %d from %s accounts for %d of its %d items: the rest fail"
-            log.error(why, msg.batch_id, msg.worker, n - missing, n)
-        if batch.role == PREPROCESS:
-            return self._on_preprocessed(batch, msg, frames, rows)
-        for item_id, row in zip(batch.item_ids, rows, strict=True):
-            request = self.requests.get(item_id)
-            if request is None or request.batch_id != msg.batch_id:
-                continue  # answered already (deadline, cancel)
-            if row is None:
-                self._reply(request, Status.INTERNAL, f"worker {msg.worker} returned no result for this item")
-            else:
-                status, message, field_name, start, stop = row
-                queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
-                fields = {"field": field_name, "batch_size": n, "queue_ms": queue_ms, "compute_ms": msg.compute_ms}
-                self._reply(request, status, message, frames[start:stop], **fields)
-
-    def _answer_batch(self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], now: float) -> None:
-        """The hot path of every result: an engine's BatchResult that accounts for every item."""
-        answered = self.stats[batch.model].latencies_s.append
-        by_id = self.requests.by_id
-        pop = self.requests.pop
-        to_clients = self._to_clients
-        batch_id, size, compute_ms = msg.batch_id, len(batch.item_ids), msg.compute_ms
-        offset = 0
-        for item_id, status, message, field_name, count in zip(
-            batch.item_ids, msg.statuses, msg.messages, msg.fields, msg.frame_counts, strict=True
-        ):
-            start = offset
-            offset += count
-            request = by_id.get(item_id)
-            if request is None or request.batch_id != batch_id:
-                continue  # answered already (deadline, cancel)
-            pop(item_id)
-            answered(now - request.arrived_s)
-            queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
-            out = to_clients.get(request.client) or self._out(request.client)
-            out.replies.append(Reply(request.req_id, status, message, field_name, size, queue_ms, compute_ms))
-            out.counts.append(count)
-            if count:
-                out.frames += frames[start:offset]
-
-    def _on_preprocessed(
-        self, batch: InFlightBatch, msg: BatchResult, frames: list[Any], rows: list[_Row | None]
-    ) -> None:
-        """A stage's result: answer the items it failed, queue the prepared batch of the rest for engines.
-        Every OK item stays in the prepared batch, even one answered meanwhile (cancel, deadline): the payload
-        holds its rows, so the engine must get as many ids as rows; its result is dropped."""
-        ready: list[int] = []
-        for item_id, row in zip(batch.item_ids, rows, strict=True):
-            request = self.requests.get(item_id)
-            if row is not None and row[0] == Status.OK:
-                ready.append(item_id)
-                if request is not None:
-                    request.batch_id = 0  # waiting for an engine
-            elif request is not None:
-                status, message, field_name = row[:3] if row is not None else (Status.INTERNAL, "", "")
-                message = message or f"preprocess stage {msg.worker} returned no result for this item"
-                self._reply(request, status, message, field=field_name, batch_size=len(batch.item_ids))
-        if ready and msg.prepared_frames:
-            self.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
+        results.on_result(self, msg, frames, now)
 
     def on_step(self, msg: StepOutput, frames: list[Any], now: float) -> None:
-        """A generative engine's step: stream each sequence's new text, answer the finished ones."""
-        worker_id = msg.worker.encode()
-        worker = self.pool.workers.get(worker_id)
-        if worker is not None and worker.models:
-            self._add_busy(worker.models[0], ENGINE, msg.step_ms)
-            self.pool.progressed(worker_id, now)
-            stats = self.stats[worker.models[0]]
-            stats.slowest_batch_s = max(stats.slowest_batch_s, msg.step_ms / 1000.0 / max(1, msg.steps))
-            stats.engine_steps += msg.steps
-            stats.batch_tokens += msg.batch_tokens
-            worker.preemptions = msg.preemptions
-            worker.prompt_tokens = msg.prompt_tokens
-            worker.cached_prompt_tokens = msg.cached_prompt_tokens
-        fields = msg.fields or [""] * len(msg.batch_ids)
-        n = len(msg.batch_ids)
-        rows, _ = _rows(n, len(frames), msg.statuses, msg.messages, fields, msg.frame_counts)
-        complete = min(len(msg.texts), len(msg.num_tokens), len(msg.finished))
-        for i, batch_id in enumerate(msg.batch_ids):
-            batch = self.pool.batch(batch_id)
-            if batch is None or batch.worker_id != worker_id:
-                continue  # aborted here already (cancel, deadline), its engine was declared lost, or stale
-            request = self.requests.get(batch.item_ids[0])
-            row = rows[i]
-            if row is None or i >= complete:
-                log.error("step output from %s is missing fields for batch %d: it fails", msg.worker, batch_id)
-                self.pool.finish(batch_id)
-                self._to_worker(worker_id, Abort([batch_id]))
-                if request is not None and request.batch_id == batch_id:
-                    self._reply(request, Status.INTERNAL, f"engine {msg.worker} sent a malformed step output")
-                continue
-            finished = msg.finished[i]
-            if finished:
-                self.pool.finish(batch_id)
-            if request is None or request.batch_id != batch_id:
-                continue
-            text = msg.texts[i]
-            if text and request.stream:
-                request.chunks_sent += 1
-                self._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i]))
-            if finished:
-                status, message, field_name, start, stop = row
-                stats = self.stats[request.model]
-                stats.latencies_s.append(now - request.arrived_s)
-                stats.batch_done(1)
-                self._reply(
-                    request,
-                    status,
-                    message,
-                    frames[start:stop],
-                    field=field_name,
-                    batch_size=1,
-                    queue_ms=(request.dispatched_s - request.arrived_s) * 1000.0,
-                )
+        results.on_step(self, msg, frames, now)
 
     # ---- time ----
 
@@ -569,7 +399,7 @@ class BrokerCore:
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
         for worker in self.pool.hung(now, self._hang_timeout_s):
-            self._hang(worker, now)
+            hangs.hang(self, worker, now)
         for worker in self.pool.left():
             log.info("worker %s left (pid %d)", worker.name, worker.pid)
             self._to_worker(worker.worker_id, Shutdown("left: you hold nothing"))
@@ -588,41 +418,7 @@ class BrokerCore:
         return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
 
     def _hang_timeout_s(self, worker: Worker, stalled_s: float) -> float:
-        """A worker's hang timeout: its model's ``batch_timeout_s``, or a shorter one while the batch it is
-        computing holds a suspect (an item of a batch that hung, sent alone): that batch is one item, so
-        ``SUSPECT_BATCHES`` of the slowest batch seen (at least ``SUSPECT_FLOOR_S``, against false alarms on a
-        noisy machine) is ample, and a poison request does not cost a second full ``batch_timeout_s``."""
-        timeout = self.batch_timeout_s(worker.models[0])
-        if stalled_s <= min(timeout, SUSPECT_FLOOR_S):
-            return timeout  # the common case, decided without looking at the batch
-        running = next(iter(worker.in_flight.values()))  # in dispatch order: the oldest is the one computing
-        get = self.requests.by_id.get
-        if any((r := get(i)) is not None and r.suspect for i in running.item_ids):
-            slowest = self.stats[worker.models[0]].slowest_batch_s
-            return min(timeout, max(SUSPECT_FLOOR_S, SUSPECT_BATCHES * slowest))
-        return timeout
-
-    def _hang(self, worker: Worker, now: float) -> None:
-        model = worker.models[0]
-        stuck_s = now - worker.progress_s
-        log.error(
-            "worker %s (pid %d) is hung: no progress for %.1fs (batch_timeout_s %.1f); re-dispatching its "
-            "%d batches and replacing it", worker.name, worker.pid, stuck_s, self.batch_timeout_s(model),
-            len(worker.in_flight),
-        )  # fmt: skip
-        self.stats[model].workers_hung += 1
-        self._hung[worker.worker_id] = None
-        if len(self._hung) > 1024:
-            del self._hung[next(iter(self._hung))]
-        self._kills.append((worker.pid, worker.name))
-        # A worker's IO thread outlives a hung predict: told to exit, it is restarted by its own supervisor,
-        # on whatever host it runs (the shell's SIGKILL only reaches this host's processes).
-        self._to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
-        batches = self.pool.remove(worker.worker_id)
-        # The oldest batch is the one that hung (a worker computes its batches in order): its items go
-        # again one per batch, so that an item that hangs takes none of its batch-mates with it.
-        running = min(batches, key=lambda b: b.sent_s, default=None)
-        self._fail_batches(batches, f"worker {worker.name} hung", alone=running.item_ids if running else ())
+        return hangs.hang_timeout_s(self, worker, stalled_s)
 
     def take_kills(self) -> list[tuple[int, str]]:
         """Hung workers to kill: (pid, the name it registered with)."""
@@ -634,45 +430,10 @@ class BrokerCore:
             return
         for d in self.scheduler.pop_batches(now):
             if d.prepared is not None:
-                header, frames = self._prepared_batch(d)
+                header, frames = prepared_batch_message(d, self.requests)
             else:
-                header, frames = self._batch(d, now)
+                header, frames = batch_message(d, self.requests, self.generative, now)
             self._to_worker(d.worker.worker_id, header, frames, d.batch_id)
-
-    def _batch(self, d: Dispatch, now: float) -> tuple[Batch, list[Any]]:
-        # Aligned with d.item_ids (results are matched by position). An item answered meanwhile cannot be
-        # here, but if it were it would travel without payload and fail alone.
-        get = self.requests.by_id.get
-        frames: list[Any] = []
-        counts: list[int] = []
-        decoded: list[bool] = []
-        streams: list[bool] = []
-        batch_id = d.batch_id
-        for item_id in d.item_ids:
-            r = get(item_id)
-            if r is None:
-                counts.append(0)
-                decoded.append(True)
-                streams.append(False)
-                continue
-            r.batch_id = batch_id
-            r.dispatched_s = now
-            frames += r.frames
-            counts.append(len(r.frames))
-            decoded.append(r.decoded)
-            streams.append(r.stream)
-        stream = streams if d.model in self.generative else []
-        return Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream, preprocess=d.preprocess), frames
-
-    def _prepared_batch(self, d: Dispatch) -> tuple[Batch, list[Any]]:
-        decoded = []
-        for item_id in d.item_ids:
-            request = self.requests.get(item_id)
-            if request is not None:  # answered meanwhile (deadline, cancel): computed, its result dropped
-                request.batch_id = d.batch_id
-            decoded.append(request.decoded if request is not None else True)
-        frames = d.prepared.frames
-        return Batch(d.batch_id, d.model, d.item_ids, [len(frames)], decoded, prepared=True), list(frames)
 
     def next_wakeup_s(self, now: float) -> float:
         """Seconds until ``tick`` has something to do without a new message: a batching window closing, a
@@ -688,48 +449,16 @@ class BrokerCore:
 
     # ---- health and stopping ----
 
+    def _model_health(self, name: str) -> ModelHealth:
+        stats = self.stats[name]
+        return model_health(name, self.pool, self.scheduler, stats, self.busy_s, name in self.generative)
+
     def health(self, query_id: int) -> HealthReport:
         return HealthReport(
             query_id,
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
             [self._model_health(m.name) for m in self.config.models],
-        )
-
-    def _model_health(self, name: str) -> ModelHealth:
-        pool, stats = self.pool, self.stats[name]
-        engines = pool.engines(name)
-        generative = name in self.generative
-        p50, p90, p99 = stats.latency_ms(0.5, 0.9, 0.99)
-        return ModelHealth(
-            name,
-            ready_workers=len(engines),
-            queue_depth=self.scheduler.depth(name),
-            in_flight=pool.in_flight_items(name),
-            busy_workers=pool.busy_count(name),
-            preprocess_workers=pool.ready_count(name, PREPROCESS),
-            prepared_depth=self.scheduler.prepared_depth(name),
-            engine_busy_s=self.busy_s.get((name, ENGINE), 0.0),
-            preprocess_busy_s=self.busy_s.get((name, PREPROCESS), 0.0),
-            generative=generative,
-            running_sequences=pool.in_flight_items(name) if generative else 0,
-            free_kv_blocks=sum(w.free_kv_blocks for w in engines),
-            kv_blocks=sum(w.kv_blocks for w in engines),
-            engine_steps=stats.engine_steps,
-            batch_tokens=stats.batch_tokens,
-            preemptions=sum(w.preemptions for w in engines),
-            prompt_tokens=sum(w.prompt_tokens for w in engines),
-            cached_prompt_tokens=sum(w.cached_prompt_tokens for w in engines),
-            credits=sum(w.credits for w in engines),
-            free_credits=sum(w.free_credits for w in engines),
-            batches=stats.batches,
-            mean_batch_size=stats.mean_batch_size(),
-            latency_p50_ms=p50,
-            latency_p90_ms=p90,
-            latency_p99_ms=p99,
-            batched_cost=self.scheduler.padding.get(name, (0, 0))[0],
-            padded_cost=self.scheduler.padding.get(name, (0, 0))[1],
-            workers_hung=stats.workers_hung,
         )
 
     def start_draining(self, now: float, handover: bool = False) -> None:
@@ -764,36 +493,3 @@ class BrokerCore:
             self._reply(request, Status.SHUTTING_DOWN, "the server shut down before this request finished")
         for worker_id in self.pool.workers:
             self._to_worker(worker_id, Shutdown("broker stopping"))
-
-
-def _accounts_for(n: int, n_frames: int, msg: BatchResult) -> bool:
-    """Whether a worker's result has a status, message, field and frame count for each of ``n`` items, and
-    exactly the frames those counts add up to."""
-    counts = msg.frame_counts
-    return (
-        len(msg.statuses) == len(msg.messages) == len(msg.fields) == len(counts) == n
-        and sum(counts) == n_frames
-        and min(counts, default=0) >= 0
-    )
-
-
-_Row = tuple[Status, str, str, int, int]  # status, message, field, first frame, end frame
-
-
-def _rows(
-    n: int, n_frames: int, statuses: list[Status], messages: list[str], fields: list[str], counts: list[int]
-) -> tuple[list[_Row | None], int]:
-    """Per item of a worker's multi-item message: its status, message, field and frame range; None where
-    the message does not account for the item (a list too short, frames missing). Also: how many are None."""
-    rows: list[_Row | None] = []
-    offset = 0
-    for i in range(n):
-        if i >= len(statuses) or i >= len(messages) or i >= len(fields) or i >= len(counts):
-            break
-        count = counts[i]
-        if count < 0 or offset + count > n_frames:
-            break
-        rows.append((statuses[i], messages[i], fields[i], offset, offset + count))
-        offset += count
-    missing = n - len(rows)
-    return rows + [None] * missing, missing

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from deployment import Deployment, alive, free_port, write_config
 
-from zserve.broker.core import SUSPECT_FLOOR_S
+from zserve.broker.hangs import SUSPECT_FLOOR_S
 
 LOAD_S = 8.0 if os.environ.get("ZSERVE_SLOW") == "1" else 1.5  # load kept up after the fault
 CLIENTS = 8

@@ -1,0 +1,51 @@
+"""What the broker reports per model in its HealthReport (for /metrics and `zserve status`). Pure."""
+
+from __future__ import annotations
+
+from zserve.batching.scheduler import Scheduler
+from zserve.batching.workers import ENGINE, PREPROCESS, WorkerPool
+from zserve.broker.stats import ModelStats
+from zserve.protocol import ModelHealth
+
+
+def model_health(
+    name: str,
+    pool: WorkerPool,
+    scheduler: Scheduler,
+    stats: ModelStats,
+    busy_s: dict[tuple[str, str], float],
+    generative: bool,
+) -> ModelHealth:
+    """One model's line of the HealthReport: its workers, queues, counters and latencies."""
+    engines = pool.engines(name)
+    p50, p90, p99 = stats.latency_ms(0.5, 0.9, 0.99)
+    return ModelHealth(
+        name,
+        ready_workers=len(engines),
+        queue_depth=scheduler.depth(name),
+        in_flight=pool.in_flight_items(name),
+        busy_workers=pool.busy_count(name),
+        preprocess_workers=pool.ready_count(name, PREPROCESS),
+        prepared_depth=scheduler.prepared_depth(name),
+        engine_busy_s=busy_s.get((name, ENGINE), 0.0),
+        preprocess_busy_s=busy_s.get((name, PREPROCESS), 0.0),
+        generative=generative,
+        running_sequences=pool.in_flight_items(name) if generative else 0,
+        free_kv_blocks=sum(w.free_kv_blocks for w in engines),
+        kv_blocks=sum(w.kv_blocks for w in engines),
+        engine_steps=stats.engine_steps,
+        batch_tokens=stats.batch_tokens,
+        preemptions=sum(w.preemptions for w in engines),
+        prompt_tokens=sum(w.prompt_tokens for w in engines),
+        cached_prompt_tokens=sum(w.cached_prompt_tokens for w in engines),
+        credits=sum(w.credits for w in engines),
+        free_credits=sum(w.free_credits for w in engines),
+        batches=stats.batches,
+        mean_batch_size=stats.mean_batch_size(),
+        latency_p50_ms=p50,
+        latency_p90_ms=p90,
+        latency_p99_ms=p99,
+        batched_cost=scheduler.padding.get(name, (0, 0))[0],
+        padded_cost=scheduler.padding.get(name, (0, 0))[1],
+        workers_hung=stats.workers_hung,
+    )
