@@ -73,7 +73,7 @@ def _process_main(conn: Any, predict: BatchFn | Model, device: str | None) -> No
                 conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
-class _ProcessRunner:
+class _WorkerProcess:
     """Runs batches in one spawned process; used from one worker thread only."""
 
     def __init__(self, predict: BatchFn | Model, device: str | None) -> None:
@@ -147,23 +147,23 @@ class Streamer:
         self._closed = False
         if processes:
             devices = list(devices or [])
-            runners: list[Callable[[list[Any]], list[Any]]] = [
-                _ProcessRunner(predict, devices[i % len(devices)] if devices else None) for i in range(processes)
+            batch_fns: list[Callable[[list[Any]], list[Any]]] = [
+                _WorkerProcess(predict, devices[i % len(devices)] if devices else None) for i in range(processes)
             ]
         else:
             if isinstance(predict, Model):
                 setup_inline(predict, (devices or ["cpu"])[0])
             fn = _as_batch_fn(predict)
-            runners = [lambda items, fn=fn: _run(fn, items)] * workers
-        self._runners = runners
+            batch_fns = [lambda items, fn=fn: _run(fn, items)] * workers
+        self._batch_fns = batch_fns
         # Worker threads schedule for themselves (no scheduler thread: one hand-off less per request). The
         # scheduler addresses each batch to a worker; a batch found for another worker waits in its inbox.
         self._inboxes: list[deque[Dispatch]] = []
         self._threads: list[threading.Thread] = []
-        for i, runner in enumerate(runners):
+        for i, batch_fn in enumerate(batch_fns):
             self._pool.register(f"w{i}".encode(), name=f"w{i}", pid=0, role=ENGINE, models=[_MODEL], credits=1, now=0.0)
             self._inboxes.append(deque())
-            thread = threading.Thread(target=self._work, args=(i, runner), name=f"streamer-worker-{i}", daemon=True)
+            thread = threading.Thread(target=self._work, args=(i, batch_fn), name=f"streamer-worker-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
 
@@ -212,9 +212,9 @@ class Streamer:
             self._lock.notify_all()
         for thread in self._threads:
             thread.join()
-        for runner in self._runners:
-            if isinstance(runner, _ProcessRunner):
-                runner.close()
+        for batch_fn in self._batch_fns:
+            if isinstance(batch_fn, _WorkerProcess):
+                batch_fn.close()
 
     def __enter__(self) -> Streamer:
         return self
@@ -224,7 +224,7 @@ class Streamer:
 
     @property
     def worker_pids(self) -> list[int]:
-        return [r.pid for r in self._runners if isinstance(r, _ProcessRunner)]
+        return [r.pid for r in self._batch_fns if isinstance(r, _WorkerProcess)]
 
     # ---- threads ----
 
@@ -245,20 +245,20 @@ class Streamer:
             wait = self._scheduler.next_wakeup_s(time.monotonic())
             self._lock.wait(timeout=wait if wait is not None else 1.0)
 
-    def _work(self, index: int, runner: Callable[[list[Any]], list[Any]]) -> None:
+    def _work(self, index: int, batch_fn: Callable[[list[Any]], list[Any]]) -> None:
         while True:
             with self._lock:
                 dispatch = self._next(index)
                 if dispatch is None:
                     self._lock.notify_all()
                     return
-            self._run_batch(runner, dispatch)
+            self._run_batch(batch_fn, dispatch)
 
-    def _run_batch(self, runner: Callable[[list[Any]], list[Any]], dispatch: Dispatch) -> None:
+    def _run_batch(self, batch_fn: Callable[[list[Any]], list[Any]], dispatch: Dispatch) -> None:
         with self._lock:
             parts, items = zip(*(self._futures.pop(i) for i in dispatch.item_ids), strict=True)
         try:
-            outputs = runner(list(items))
+            outputs = batch_fn(list(items))
         except BaseException as exc:
             outcomes = [(None, exc)] * len(parts)
         else:
