@@ -1,6 +1,8 @@
 """supervisor.toml, decoded into typed Structs. Unknown keys and bad values are rejected by key name.
 
-Every key is documented in README.md ("Configuration reference"); keep the two in step.
+Every key is described by the docstring under its field (and each table by its class docstring):
+docs/configuration.md is generated from them (``python -m zserve.config_reference docs/configuration.md``), and a
+test fails when the page is stale.
 """
 
 from __future__ import annotations
@@ -36,28 +38,55 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SupervisorConfig(_Section, kw_only=True):
-    run_dir: str = ""  # "" = a private directory derived from the config file's path (see run_dir_for)
-    max_restarts: NonNegativeInt = 5  # per process, within restart_window_s; then give up loudly
+    """``[supervisor]``: how ``zserve up`` (and ``zserve workers``) starts, restarts and stops its processes."""
+
+    run_dir: str = ""
+    """Directory for the ipc sockets, created 0700 and removed on exit. `""` = `$TMPDIR/zserve-UID-HASH`, derived from
+    the config file's path, so that `Client.from_config` finds it. One supervisor per run dir (a lock file)."""
+    max_restarts: NonNegativeInt = 5
+    """Restarts of one process within `restart_window_s` before the supervisor gives up (stops everything, exits 1)."""
     restart_window_s: PositiveFloat = 60.0
-    restart_backoff_s: NonNegativeFloat = 0.5  # doubles with each restart in the window, capped at 10 s
+    """The window, in seconds, in which `max_restarts` are counted."""
+    restart_backoff_s: NonNegativeFloat = 0.5
+    """First restart delay, in seconds; it doubles with each restart in the window, capped at 10 s."""
     startup_timeout_s: PositiveFloat = 600.0
+    """How long to wait at start for the broker, the engines and stages, and `/readyz`."""
     shutdown_timeout_s: PositiveFloat = 20.0
+    """On stop, how long engines and stages get to exit before SIGKILL."""
 
 
 class BrokerConfig(_Section, kw_only=True):
-    # Processes of this host always use ipc://RUN_DIR/{client,work,out}.sock; a tcp://HOST:PORT here is
-    # bound as well, for direct clients (client) and worker hosts (work, out) elsewhere.
+    """``[broker]``: where the broker also listens for other hosts, how they authenticate, and how lost
+    workers are found. Processes of this host always use ``ipc://RUN_DIR/{client,work,out}.sock``; a
+    ``tcp://HOST:PORT`` here is bound as well, for direct clients (client) and worker hosts (work, out)
+    elsewhere."""
+
     client_endpoint: str = ""
+    """Also listen for direct clients of other hosts at `tcp://HOST:PORT` (processes of this host, frontends included,
+    always use `ipc://RUN_DIR/client.sock`)."""
     work_endpoint: str = ""
+    """Also listen for worker hosts' engines and stages at `tcp://HOST:PORT` (local ones use
+    `ipc://RUN_DIR/work.sock`)."""
     out_endpoint: str = ""
-    curve_key: str = ""  # the broker's NAME.key_secret; required with a tcp endpoint unless insecure
-    authorized_keys_dir: str = ""  # the NAME.key (public) of every client and worker host admitted over tcp
-    insecure: bool = False  # tcp without CURVE: anyone who reaches the port is served; loopback only...
-    insecure_any_host: bool = False  # ...unless this is set too
+    """Also take worker hosts' results at `tcp://HOST:PORT` (local ones push to `ipc://RUN_DIR/out.sock`)."""
+    curve_key: str = ""
+    """The broker's `NAME.key_secret` (`zserve keys generate`); required with a tcp endpoint unless `insecure`."""
+    authorized_keys_dir: str = ""
+    """A folder with the public `NAME.key` of every client and worker host admitted over tcp; anyone else is refused
+    during the CURVE handshake and logged."""
+    insecure: bool = False
+    """tcp without CURVE: anyone who reaches the port is served. Binds to loopback addresses only, unless
+    `insecure_any_host`."""
+    insecure_any_host: bool = False
+    """With `insecure`, also bind plain tcp to other addresses: only inside a network you trust."""
     heartbeat_interval_ms: PositiveInt = 250
-    heartbeat_liveness: PositiveInt = 4  # missed intervals before a worker (or the broker) is declared lost
-    max_redispatch: NonNegativeInt = 1  # re-dispatches of a lost batch before ENGINE_LOST
+    """Heartbeat period, both ways (broker to workers, workers to broker)."""
+    heartbeat_liveness: PositiveInt = 4
+    """Missed heartbeats before a worker (or, seen from a worker, the broker) counts as lost."""
+    max_redispatch: NonNegativeInt = 1
+    """Times a lost worker's batch is sent to another worker before its requests are answered `engine_lost`."""
     drain_timeout_s: NonNegativeFloat = 10.0
+    """On stop, how long the broker waits for in-flight work before answering the rest `shutting_down`."""
 
     def __post_init__(self) -> None:
         for key in ("client_endpoint", "work_endpoint", "out_endpoint"):
@@ -99,17 +128,31 @@ def usable_cores() -> int:
 
 
 class FrontendsConfig(_Section, kw_only=True):
-    # HTTP worker processes; 0 = half the CPU cores, at least 1: the other half runs the broker, stages and
-    # engines. On this 2-core VM one worker answered echo at c64 over HTTP 1.15x faster than two, p99 2.6 ms
-    # against 4.6 (README, issue 9): wrk, the broker and the engine need the other core.
+    """``[frontends]``: the HTTP server (gunicorn, its workers running zserve's fast predict path) in front of
+    the broker."""
+
+    # 0 = half the CPU cores, at least 1: the other half runs the broker, stages and engines. On a 2-core VM one
+    # worker answered echo at c64 over HTTP 1.15x faster than two, p99 2.6 ms against 4.6 (docs/benchmarks.md):
+    # wrk, the broker and the engine need the other core.
     workers: NonNegativeInt = 0
+    """gunicorn worker processes (`zserve.frontends.fast_worker.FastPathWorker`: gunicorn's asgi worker with the fast
+    predict path). `0` = half the usable CPU cores, at least 1."""
     host: str = "127.0.0.1"
+    """Bind address."""
     port: Annotated[int, Meta(ge=1, le=65535)] = 8000
+    """Bind port (`zserve up --port` overrides it)."""
     max_body_bytes: PositiveInt = 1 << 20
+    """Larger request bodies are answered 413 `payload_too_large`."""
     graceful_timeout_s: NonNegativeFloat = 10.0
+    """On stop, time for in-flight HTTP requests to finish."""
     server: Literal["gunicorn", "granian"] = "gunicorn"  # the HTTP server that runs the falcon ASGI app
-    api_keys_file: str = ""  # "" = no key file; keys may also come from ZSERVE_API_KEYS
-    auth_health: bool = False  # true: /healthz, /readyz and /metrics need a key too
+    """The HTTP server that runs the frontends: leave it at `"gunicorn"` (the other value is being removed)."""
+    api_keys_file: str = ""
+    """API keys, one per line (blank lines and `#` comments skipped), read again on SIGHUP; a relative path is taken
+    from the directory `zserve up` runs in. `""` = no file (keys may still come from `ZSERVE_API_KEYS`). See [API
+    keys](http-api.md#api-keys)."""
+    auth_health: bool = False
+    """`true`: `/healthz`, `/readyz` and `/metrics` need a key too (when keys are on)."""
 
     def __post_init__(self) -> None:
         if self.workers == 0:
@@ -117,30 +160,56 @@ class FrontendsConfig(_Section, kw_only=True):
 
 
 class ModelConfig(_Section, kw_only=True):
+    """``[[models]]``: one table per model served."""
+
     name: str
-    handler: str  # "module:Class", a zserve.Model subclass
+    """The model's name in routes and clients: letters, digits, `.`, `_` and `-`, up to 64 characters."""
+    handler: str
+    """`"package.module:Class"`, a `zserve.Model` subclass."""
     engines: PositiveInt = 1
+    """Engine processes."""
     max_batch_size: PositiveInt = 32
+    """Items per batch at most."""
     max_wait_ms: NonNegativeFloat = 5.0
-    # Cost-aware batching: 0 = batches by count only. Otherwise a batch costs its size times its largest
-    # item's cost (what a padded batch computes; an item's cost is what the handler's ``cost(item)`` says,
-    # tokens for the text handlers) and is closed before it would pass this budget; items of similar cost
-    # are grouped (see broker/scheduler.py for the fairness bound).
+    """How long the oldest queued item may wait for a fuller batch while every engine is busy (an idle engine takes
+    what is queued at once)."""
+    # broker/scheduler.py states the fairness bound.
     max_batch_cost: NonNegativeInt = 0
+    """Cost-aware batching. `0` batches by count only; otherwise a batch costs its size times its largest item's cost
+    (the handler's `cost(item)`: tokens for the text handlers, pixels for images), is closed before it would pass this
+    budget, and groups items of similar cost. See [cost-aware batching](models-and-tasks.md#cost-aware-batching)."""
     max_queue: PositiveInt = 1024
+    """Queued items before new requests are answered 503 `overloaded`."""
     timeout_ms: PositiveInt = 30_000
-    credits: PositiveInt = 2  # batches an engine may hold at once (2 = one running, one staged)
-    # A worker holding work that makes no progress (no result, no engine step) for this long is hung: its
-    # batches are re-dispatched and it is killed (the supervisor restarts it). None = derived: the larger
-    # of timeout_ms and 10x the slowest recent batch of the model (see README).
+    """Default deadline per request (clients may pass their own): past it the request is answered 504
+    `deadline_exceeded`, and not computed if it is still queued."""
+    credits: PositiveInt = 2
+    """Batches an engine may hold at once: 2 = one running, one staged (hides the hop); 1 = batches form until the
+    engine is free (best for CPU-bound models)."""
     batch_timeout_s: PositiveFloat | None = None
-    threads: PositiveInt = 1  # torch intra-op threads per engine
-    # "cuda:N", "cuda:N,M,..." (one engine on several devices: a tensor parallel group) or "cpu"; engine i gets
-    # devices[i % len]; [] = "cpu"
+    """A worker (engine or stage) that holds work and makes no progress (no result, no engine step) for this long is
+    hung: its batches are re-dispatched once, the broker tells it to exit (`Replace`: exit code 3) and SIGKILLs it if
+    it runs on the broker's host, and its supervisor starts a fresh one (`workers_hung` in `zserve status` and
+    `/metrics`). Unset: the larger of `timeout_ms` and 10x the slowest recent batch (or engine step) of the model. A
+    worker stalled on a suspect (an item of a batch that hung, re-dispatched alone) is hung after 4x the slowest
+    batch, at least 0.5 s, never more than this. See [failure behaviour](operations.md#failure-behaviour)."""
+    threads: PositiveInt = 1
+    """torch intra-op threads per engine (also `OMP_NUM_THREADS`). 1 is the safe default on a shared machine: more
+    threads than free cores collapse torch's throughput. Only the engine's compute thread gets them; its main thread
+    runs OpenMP serially (a second OpenMP team in the process made an engine step 1.3x as long)."""
     devices: list[str] = []
-    engines_per_device: PositiveInt | None = None  # set: engines = len(devices) x this, each device alike
-    options: dict[str, Any] = {}  # passed to the handler's constructor
-    preprocess_workers: Annotated[int, Meta(ge=1)] | None = None  # None = see preprocess_workers_for
+    """Engine i runs on `devices[i % len(devices)]`, e.g. `["cuda:0", "cuda:1"]`; `[]` = `"cpu"`. For `cuda:N` the
+    supervisor sets `CUDA_VISIBLE_DEVICES=N` and the engine's `setup(device)` gets `cuda:0`; `cuda:N,M` gives one
+    engine several devices (a `tensor_parallel` group). `zserve up` and `zserve workers` refuse a `cuda:N` this host
+    does not have (counted without torch: `ZSERVE_GPU_COUNT`, else `/proc/driver/nvidia/gpus`, else `nvidia-smi -L`)."""
+    engines_per_device: PositiveInt | None = None
+    """Set: `engines = len(devices) x engines_per_device`, the same number on every device."""
+    options: dict[str, Any] = {}
+    """`[models.options]`: keyword arguments for the handler's constructor, e.g. `path` for the built-in handlers
+    ([models and tasks](models-and-tasks.md), [generation](generation.md#engine-options))."""
+    preprocess_workers: Annotated[int, Meta(ge=1)] | None = None
+    """Stage processes, for a model that overrides `preprocess`. Unset: the cores the engines leave free, `max(1,
+    (cores - sum of engines x threads) // models with a stage)` (`preprocess_workers_for`)."""
 
     def __post_init__(self) -> None:
         if not _MODEL_NAME.match(self.name):
@@ -167,6 +236,8 @@ class ModelConfig(_Section, kw_only=True):
 
 
 class Config(_Section, kw_only=True):
+    """The whole supervisor.toml: three tables, and one ``[[models]]`` table per model."""
+
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
     frontends: FrontendsConfig = msgspec.field(default_factory=FrontendsConfig)
