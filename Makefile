@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zserve-installed
 
-.PHONY: install serve test test-all lint bench bench-env bench-infinity-env bench-embeddings clean
+.PHONY: install serve test test-all lint docs bench bench-env bench-infinity-env bench-embeddings clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q -ra
+
+# The documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8001, rebuilt on every edit; `make test` builds it
+# with --strict (tests/docs/test_site.py).
+docs: install
+	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8001
 
 # The slow soak/scale tests in full (CI runs their short versions).
 test-all: install
