@@ -1,7 +1,7 @@
 """The falcon ASGI app of one frontend worker.
 
 gunicorn runs ``zserve.frontends.app:create_frontend()`` in each worker process (never ``--preload``): the
-app plus what its fast HTTP path needs (``fast_worker.py``); granian runs ``create_app()``. Every worker builds
+app plus what its fast HTTP path needs (``fast_worker.py``); ``create_app()`` is the app alone. Every worker builds
 its own AsyncClient, whose DEALER socket is created lazily inside the worker's event loop.
 The supervisor passes the settings in the environment (ZSERVE_FRONTEND, JSON of FrontendSettings).
 """

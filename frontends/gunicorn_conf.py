@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zserve.frontends.reload import worker_exited_line, worker_ready_line
+from zserve.frontend_reload import worker_exited_line, worker_ready_line
 from zserve.transport import die_with_parent
 
 worker_class = "zserve.frontends.fast_worker.FastPathWorker"  # gunicorn's asgi worker + the fast HTTP path

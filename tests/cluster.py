@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zserve import Client
 from zserve.config import parse_config
-from zserve.supervisor import Supervisor
+from zserve.plan import plan
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 
@@ -30,13 +30,13 @@ class Cluster:
         self.run_dir = Path(tempfile.mkdtemp(prefix="zs-"))
         self.config = parse_config(f'[supervisor]\nrun_dir = "{self.run_dir}"\n' + toml)
         self.config_path = log_dir / "supervisor.toml"
-        self.sup = Supervisor(self.config, self.config_path)
+        self.plan = plan(self.config, self.config_path)
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
         self.clients: list[Client] = []
 
     def _spawn(self, child) -> subprocess.Popen:
-        env = {**child.env, **subprocess_env()}
+        env = {**child.environ(dict(os.environ)), **subprocess_env()}
         log = open(self.log_dir / f"{child.name}.log", "ab")
         proc = subprocess.Popen(child.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -44,16 +44,16 @@ class Cluster:
         return proc
 
     def start_broker(self) -> subprocess.Popen:
-        return self._spawn(self.sup.broker_child())
+        return self._spawn(self.plan.broker())
 
     def start_engine(self, model: str, index: int = 0) -> subprocess.Popen:
-        return self._spawn(self.sup.engine_child(self.config.model(model), index))
+        return self._spawn(self.plan.engine(self.config.model(model), index))
 
     def start_stage(self, model: str, index: int = 0) -> subprocess.Popen:
-        return self._spawn(self.sup.stage_child(self.config.model(model), index))
+        return self._spawn(self.plan.stage(self.config.model(model), index))
 
     def client(self, **kwargs) -> Client:
-        client = Client(self.sup.endpoints.client, **kwargs)
+        client = Client(self.plan.endpoints.client, **kwargs)
         self.clients.append(client)
         return client
 

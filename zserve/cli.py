@@ -33,6 +33,7 @@ def _supervise(config: Config, config_path: str, log_level: str | None) -> int:
     from zserve.devices import check_devices
     from zserve.keys import check_broker_keys
     from zserve.logs import setup_logging
+    from zserve.plan import plan
     from zserve.supervisor import Supervisor
 
     setup_logging("supervisor", log_level)
@@ -41,7 +42,7 @@ def _supervise(config: Config, config_path: str, log_level: str | None) -> int:
         b = config.broker
         if any(b.remote_endpoints()) and not b.insecure:
             check_broker_keys(b.curve_key, b.authorized_keys_dir)
-        supervisor = Supervisor(config, config_path)
+        supervisor = Supervisor(plan(config, config_path))
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)
         return 2
@@ -189,11 +190,12 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _workers(args: argparse.Namespace) -> int:
     from zserve.logs import setup_logging
-    from zserve.worker_host import WorkerHost, load_workers_config
+    from zserve.supervisor import Supervisor
+    from zserve.worker_host import load_workers_config, worker_host_plan
 
     setup_logging("supervisor", args.log_level)
     try:
-        host = WorkerHost(load_workers_config(args.config), args.config)
+        host = Supervisor(worker_host_plan(load_workers_config(args.config), args.config))
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -145,8 +145,11 @@ class FrontendsConfig(_Section, kw_only=True):
     """Larger request bodies are answered 413 `payload_too_large`."""
     graceful_timeout_s: NonNegativeFloat = 10.0
     """On stop, time for in-flight HTTP requests to finish."""
-    server: Literal["gunicorn", "granian"] = "gunicorn"  # the HTTP server that runs the falcon ASGI app
-    """The HTTP server that runs the frontends: leave it at `"gunicorn"` (the other value is being removed)."""
+    # The HTTP server that runs the falcon ASGI app: gunicorn, the only one since granian was removed (it served
+    # 0.38x gunicorn's rate with the fast path and could not take the supervisor's socket). Kept so that files
+    # that say server = "gunicorn" (`zserve serve --print-config` wrote it) still load.
+    server: str = "gunicorn"
+    """The HTTP server that runs the frontends: `"gunicorn"`, the only one (any other value is refused)."""
     api_keys_file: str = ""
     """API keys, one per line (blank lines and `#` comments skipped), read again on SIGHUP; a relative path is taken
     from the directory `zserve up` runs in. `""` = no file (keys may still come from `ZSERVE_API_KEYS`). See [API
@@ -155,6 +158,11 @@ class FrontendsConfig(_Section, kw_only=True):
     """`true`: `/healthz`, `/readyz` and `/metrics` need a key too (when keys are on)."""
 
     def __post_init__(self) -> None:
+        if self.server != "gunicorn":
+            raise ValueError(
+                f"server = {self.server!r}: the granian frontend server was removed; gunicorn is the only one "
+                '(delete the line, or say server = "gunicorn")'
+            )
         if self.workers == 0:
             self.workers = max(1, usable_cores() // 2)
 

@@ -6,7 +6,8 @@ fails (the listening socket stays open, connections wait in its backlog), but un
 built their apps no one accepts. One at a time instead: SIGTTIN (the master adds a worker), wait for
 that worker's ready line, SIGTTOU (the master stops its oldest worker with SIGTERM: it stops accepting
 and finishes the requests it holds), wait for its exit line; N times. The lines come from the hooks in
-``zserve.frontends.gunicorn_conf``, through the frontend's output that the supervisor reads anyway.
+``zserve.frontends.gunicorn_conf``, through the frontend's output that the supervisor reads anyway. The lines
+are a protocol between the supervisor and the frontends' hooks, so they live here, below both.
 """
 
 from __future__ import annotations

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
-from zserve.config import Config, ConfigError, Endpoints, FrontendSettings, ModelConfig, to_toml
-from zserve.supervisor import Child, Supervisor
-from zserve.supervisord import stop_wait_s
+from zserve.config import Config, ConfigError, Endpoints, ModelConfig, to_toml
+from zserve.plan import ChildSpec, Deployment
+from zserve.plan import plan as plan_deployment
 
 CONFIG_DIR = "/etc/zserve"
 CONFIG_PATH = f"{CONFIG_DIR}/supervisor.toml"
@@ -79,11 +79,6 @@ def pod_config(config: Config, opts: RenderOptions) -> Config:
     """The deployment as its pods see it: the broker binds tcp on every address of its pod (CURVE), keys and
     the API key file are mounted Secrets, the run dir is the pods' emptyDir, the frontends bind 0.0.0.0."""
     b, f = config.broker, config.frontends
-    if f.server != "gunicorn":
-        raise ConfigError(
-            "frontends.server: `zserve k8s` renders gunicorn frontends (granian's workers are not "
-            "forked from a master that could set their CURVE keys)"
-        )
     if b.insecure and not b.insecure_any_host:
         raise ConfigError("broker.insecure: plain tcp between pods needs insecure_any_host = true as well (or CURVE)")
     ports = {k: _port(e, PORTS[k]) for k, e in zip(PORTS, b.remote_endpoints(), strict=True)}
@@ -106,9 +101,9 @@ def keys_command(opts: RenderOptions) -> str:
 
 
 class _Renderer:
-    def __init__(self, sup: Supervisor, opts: RenderOptions) -> None:
-        self.sup = sup
-        self.config = sup.config
+    def __init__(self, deployment: Deployment, opts: RenderOptions) -> None:
+        self.plan = deployment
+        self.config = deployment.config
         self.opts = opts
         self.name = dns_label(opts.name)
         self.broker_host = f"{self.name}-broker"
@@ -215,8 +210,7 @@ class _Renderer:
     # ---- objects ----
 
     def configmap(self, config_toml: str) -> dict[str, Any]:
-        sup = self.sup
-        settings = FrontendSettings.from_config(self.config, sup.endpoints, sup.staged)
+        settings = self.plan.frontend_settings()
         settings.api_keys_file = self.config.frontends.api_keys_file  # the pod's path, not resolved here
         data = {
             "supervisor.toml": config_toml,
@@ -232,9 +226,9 @@ class _Renderer:
             "data": data,
         }
 
-    def broker(self, child: Child) -> list[dict[str, Any]]:
+    def broker(self, child: ChildSpec) -> list[dict[str, Any]]:
         """``zserve child`` execs the broker from the mounted config: it creates the run dir and holds its lock."""
-        del child  # the broker's own argv is built in the pod, from CONFIG_PATH, by the same code
+        # the broker's own argv is built in the pod, from CONFIG_PATH, by the same plan
         mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
         volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": f"{self.name}-config"}}]
         if self.secure:
@@ -261,16 +255,16 @@ class _Renderer:
             "livenessProbe": {**tcp, "failureThreshold": 6},
             "volumeMounts": mounts,
         }
-        pod = self.pod(container, volumes, stop_wait_s(self.config, "broker"))
+        pod = self.pod(container, volumes, int(child.stop_timeout_s))
         name = f"{self.name}-broker"
         return [self.deployment(name, "broker", 1, pod, recreate=True), self.service(name, "broker", ports)]
 
     def broker_ports(self) -> dict[str, int]:
         return {k: _port(e, PORTS[k]) for k, e in zip(PORTS, self.config.broker.remote_endpoints(), strict=True)}
 
-    def worker_container(self, child: Child, model: ModelConfig, role: str) -> dict[str, Any]:
-        """A worker's command is the one `zserve up` runs (Supervisor's builders), with its name made unique
-        per pod and the JSON of its model read from the ConfigMap."""
+    def worker_container(self, child: ChildSpec, model: ModelConfig, role: str) -> dict[str, Any]:
+        """A worker's command is the one `zserve up` runs (the plan's), with its name made unique per pod and
+        the JSON of its model read from the ConfigMap."""
         argv = ["python", *child.argv[1:]]  # the image's python, not this machine's
         argv[argv.index("--name") + 1] = f"{child.name.rsplit('-', 1)[0]}@$(POD_NAME)"
         argv[argv.index("--model-json") + 1] = "$(ZSERVE_MODEL_JSON)"
@@ -278,7 +272,7 @@ class _Renderer:
             "PYTHONUNBUFFERED": "1",
             "HOME": "/tmp",
             "ZSERVE_WORKER_STATE_DIR": WORKER_STATE_DIR,
-            **child.extra_env,
+            **child.env,
         }
         # Inside a pod the device plugin has already chosen the GPUs: they are numbered from 0, all of them ours.
         if role == "engine":
@@ -320,12 +314,12 @@ class _Renderer:
             return 0
         return max(len(d.split(":", 1)[1].split(",")) for d in model.devices)
 
-    def workers(self, model: ModelConfig, role: str, child: Child, replicas: int) -> list[dict[str, Any]]:
+    def workers(self, model: ModelConfig, role: str, child: ChildSpec, replicas: int) -> list[dict[str, Any]]:
         component = "engine" if role == "engine" else "stage"
         name = f"{self.name}-{component}-{dns_label(model.name)}"
         container = self.worker_container(child, model, component)
         volumes = [self.key_volume("worker")] if self.secure else []
-        pod = self.pod(container, volumes, stop_wait_s(self.config, component))
+        pod = self.pod(container, volumes, int(child.stop_timeout_s))
         if role == "engine" and model.engines_per_device and model.engines_per_device > 1:
             # Kubernetes hands out whole GPUs; several engines per GPU need the device plugin's time-slicing.
             pod_meta = {"annotations": {"zserve.dev/engines-per-device": str(model.engines_per_device)}}
@@ -389,9 +383,9 @@ class _Renderer:
             },
         }
 
-    def frontend(self, child: Child) -> list[dict[str, Any]]:
+    def frontend(self, child: ChildSpec) -> list[dict[str, Any]]:
         f = self.config.frontends
-        argv = child.argv[3:]  # gunicorn's arguments (after `python -m gunicorn`)
+        argv = list(child.argv[3:])  # gunicorn's arguments (after `python -m gunicorn`)
         keys = ["--curve-key", f"{KEYS_DIR}/frontend.key_secret", "--broker-key", f"{KEYS_DIR}/broker.key"]
         command = ["python", "-m", "zserve.k8s_pod", "frontend", *(keys if self.secure else []), "--"]
         env = [
@@ -426,7 +420,7 @@ class _Renderer:
             "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 3},
             "volumeMounts": mounts,
         }
-        pod = self.pod(container, volumes, stop_wait_s(self.config, "frontend"))
+        pod = self.pod(container, volumes, int(child.stop_timeout_s))
         name = f"{self.name}-frontend"
         service = self.service(name, "frontend", {"http": f.port})
         hpa = self.cpu_hpa(name, "frontend", 1, max(1, self.opts.max_frontends))
@@ -437,30 +431,33 @@ class _Renderer:
         return [deployment, service, self.pdb(name, "frontend"), hpa]
 
 
-def render(sup: Supervisor, opts: RenderOptions) -> list[dict[str, Any]]:
-    """The manifests, in apply order, for the deployment ``sup`` plans. ``sup`` must be built on
-    ``pod_config(config, opts)`` with ``CONFIG_PATH`` (``plan`` does both)."""
-    r = _Renderer(sup, opts)
-    broker_child = sup.broker_child()
-    config_toml = to_toml(sup.config)
+def render(deployment: Deployment, opts: RenderOptions) -> list[dict[str, Any]]:
+    """The manifests, in apply order, for ``deployment``, which must be planned from ``pod_config(config,
+    opts)`` and ``CONFIG_PATH`` (``plan`` does both)."""
+    r = _Renderer(deployment, opts)
+    broker_child = deployment.broker()
+    config_toml = to_toml(deployment.config)
     # Every other process reaches the broker through its Service; workers authenticate with the workers' key.
-    sup.endpoints = Endpoints(*(f"tcp://{r.broker_host}:{p}" for p in r.broker_ports().values()))
-    if r.secure:
-        keys = ["--curve-key", f"{KEYS_DIR}/worker.key_secret", "--broker-key", f"{KEYS_DIR}/broker.key"]
-        sup.worker_argv_extra = keys
+    keys = ("--curve-key", f"{KEYS_DIR}/worker.key_secret", "--broker-key", f"{KEYS_DIR}/broker.key")
+    pods = replace(
+        deployment,
+        endpoints=Endpoints(*(f"tcp://{r.broker_host}:{p}" for p in r.broker_ports().values())),
+        worker_args=keys if r.secure else (),
+    )
+    r.plan = pods
     out = [r.configmap(config_toml), *r.broker(broker_child)]
-    for model in sup.config.models:
-        out += r.workers(model, "engine", sup.engine_child(model, 0), model.engines)
-        if model.name in sup.staged:
-            out += r.workers(model, "preprocess", sup.stage_child(model, 0), model.preprocess_workers or 1)
-    out += r.frontend(sup.frontend_child())
+    for model in pods.config.models:
+        out += r.workers(model, "engine", pods.engine(model, 0), model.engines)
+        if model.name in pods.staged:
+            out += r.workers(model, "preprocess", pods.stage(model, 0), model.preprocess_workers or 1)
+    out += r.frontend(pods.frontend())
     return out
 
 
-def plan(config: Config, opts: RenderOptions) -> Supervisor:
-    """The Supervisor (its command builders and the models' kinds) for the pods' view of ``config``. Imports
-    every handler class (constructors only), as `zserve up` does, so a broken one fails here."""
-    return Supervisor(pod_config(config, opts), CONFIG_PATH)
+def plan(config: Config, opts: RenderOptions) -> Deployment:
+    """The plan for the pods' view of ``config``. Imports every handler class (constructors only), as `zserve up`
+    does, so a broken one fails here."""
+    return plan_deployment(pod_config(config, opts), CONFIG_PATH)
 
 
 def header(opts: RenderOptions) -> str:

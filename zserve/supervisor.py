@@ -1,20 +1,22 @@
-"""``zserve up``: start, watch and stop every process of a deployment.
+"""``zserve up`` and ``zserve workers``: run a deployment plan (``zserve.plan``): start, watch and stop its processes.
 
-Order: broker -> engines -> (once every engine has registered) gunicorn frontends -> one line
+Order: broker -> engines -> (once every engine has registered) the gunicorn frontend -> one line
 ``zserve ready: http://HOST:PORT`` once /readyz answers 200. A child that dies is restarted with
 exponential backoff; one that dies more than ``max_restarts`` times within ``restart_window_s`` makes
 the supervisor give up loudly (stop everything, exit 1) rather than flap. The process table (pids,
 start times, restarts) is published in RUN_DIR/state.json for `zserve status`. SIGTERM or Ctrl-C stops in
 order (frontends, then the broker, which drains and tells engines to exit, then any straggler) and
-exits 0 with nothing left running. Every child's output is prefixed with its name. The frontends are
-gunicorn or granian (``[frontends] server``).
+exits 0 with nothing left running. SIGHUP replaces the frontend's workers one at a time. Every child's
+output is prefixed with its name. What to run, and in which order, is the plan's; how, is this module's.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import http.client
+import itertools
 import logging
 import os
 import secrets
@@ -27,106 +29,144 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
-import msgspec
-
 from zserve.client import Client
-from zserve.config import (
-    Config,
-    ConfigError,
-    Endpoints,
-    FrontendSettings,
-    ModelConfig,
-    endpoints_for,
-    preprocess_workers_for,
-    run_dir_for,
-)
 from zserve.errors import EXIT_CANNOT_LOAD, BrokerUnavailable
-from zserve.frontends.reload import ReloadError, RollingReload
-from zserve.frontends.servers import listen_socket, server_argv
-from zserve.hooks import HookError, check_preprocess_hooks
-from zserve.model import load_handler, reports_cost, uses_preprocess
+from zserve.frontend_reload import ReloadError, RollingReload
+from zserve.plan import ChildSpec, Deployment
 from zserve.state import ProcessState, SupervisorState, write_state
 
 log = logging.getLogger("zserve.supervisor")
 
 _TICK_S = 0.1
 _MAX_BACKOFF_S = 10.0
-
-
-def model_kinds(config: Config) -> tuple[list[str], list[str]]:
-    """(staged, generative): the models whose handler overrides ``preprocess`` (they get stage processes),
-    and those whose handler is generative (batched per step inside their engines). Loads each handler
-    class (constructors only, no weights) and checks its hooks, so that a broken handler fails here, at
-    start, with a message that names it."""
-    staged, generative = [], []
-    for m in config.models:
-        try:
-            handler = load_handler(m.handler, m.options)
-            check_preprocess_hooks(type(handler))
-        except (ValueError, HookError) as exc:
-            raise ConfigError(f"models[{m.name}]: {exc}") from None
-        if m.max_batch_cost and (handler.generative or not reports_cost(type(handler))):
-            why = "is generative (batched per step)" if handler.generative else "has no cost() method"
-            raise ConfigError(f"models[{m.name}]: max_batch_cost is set but handler {m.handler} {why}")
-        if uses_preprocess(type(handler)):
-            staged.append(m.name)
-        if handler.generative:
-            generative.append(m.name)
-    return staged, generative
+# Connections that arrive while no server accepts (a master restarting) wait here: a few seconds of a
+# busy port's arrivals. Linux caps it at net.core.somaxconn (4096 since 5.4).
+LISTEN_BACKLOG = 2048
 
 
 class StartupError(RuntimeError):
     """The deployment could not start; the message says which process and why."""
 
 
-CHILD_ENV = {"ZSERVE_SUPERVISED": "1", "PYTHONUNBUFFERED": "1"}
-
-
 @dataclass
 class Child:
-    name: str
-    role: str  # broker | engine | stage | frontend
-    argv: list[str]
-    extra_env: dict[str, str]  # what this child needs on top of the supervisor's environment
+    """A planned child as it runs: its process and restart history."""
+
+    spec: ChildSpec
     proc: subprocess.Popen | None = None
     restarts: collections.deque = field(default_factory=collections.deque)  # times of recent restarts
     restart_count: int = 0  # since the supervisor started (for `zserve status`)
     started_at: float = 0.0  # wall-clock time of the last start
     restart_at: float | None = None
     pump: threading.Thread | None = None
-    pass_fds: tuple[int, ...] = ()  # the frontend's listening socket, which the supervisor owns
 
     @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, **CHILD_ENV, **self.extra_env}
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+
+def listen_socket(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, for the supervisor to own and hand to gunicorn."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind over a previous run's TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def lock_run_dir(run_dir: Path) -> IO[str]:
+    """Create the run dir (0700, ours) and take its lock, held for as long as the returned file is open: one
+    supervisor per run dir, for as long as it lives (a second one would steal the sockets)."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if run_dir.stat().st_uid != os.getuid():
+        raise StartupError(f"run dir {run_dir} belongs to another user")
+    run_dir.chmod(0o700)
+    lock = open(run_dir / "supervisor.lock", "a+")  # held until exit
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "?"
+        lock.close()
+        raise StartupError(f"a zserve deployment (pid {owner}) is already running from {run_dir}") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    for stale in run_dir.glob("*.sock"):
+        stale.unlink()
+    return lock
+
+
+def broker_answers(client: Client) -> bool:
+    try:
+        client.health(timeout_s=0.5)
+        return True
+    except BrokerUnavailable:
+        return False
+
+
+def workers_registered(client: Client, plan: Deployment) -> bool:
+    """Every engine and stage of ``plan`` is in the broker's health report."""
+    try:
+        report = client.health(timeout_s=1.0)
+    except BrokerUnavailable:
+        return False
+    health = {m.name: m for m in report.models}
+    return all(
+        m.name in health
+        and health[m.name].ready_workers >= m.engines
+        and health[m.name].preprocess_workers >= plan.stage_count(m)
+        for m in plan.config.models
+    )
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, tick: Callable[[], bool] = lambda: True) -> None:
+    """Call ``tick`` until ``ready()`` (a readiness probe) holds; fail on timeout or when ``tick`` says stop."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if not tick():
+            raise StartupError(f"stopped while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise StartupError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(_TICK_S)
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_path: str | os.PathLike[str], out: IO[str] | None = None) -> None:
-        self.config = config
-        self.run_dir = run_dir_for(config, config_path)
-        self.endpoints: Endpoints = endpoints_for(config, self.run_dir)
+    """Runs ``plan``: starts its children group by group in start order, each group once the one before is
+    ready; restarts what dies; stops everything in stop order."""
+
+    def __init__(self, plan: Deployment, out: IO[str] | None = None) -> None:
+        self.plan = plan
+        self.config = plan.config
+        self.run_dir = plan.run_dir
+        self.endpoints = plan.endpoints
+        self.url = plan.url
         self.out = out or sys.stdout
         self._out_lock = threading.Lock()
         self.stopping = threading.Event()
         self.gave_up = False
         self.signalled = False  # SIGTERM/SIGINT received: stopping is what was asked for
-        self.staged, self.generative = model_kinds(config)  # raises ConfigError
         self.children: list[Child] = []
-        self.worker_argv_extra: list[str] = []  # a worker host's CURVE key arguments (zserve.worker_host)
         # Our own key for /readyz, which needs one when [frontends] auth_health is set.
         self.probe_key = secrets.token_urlsafe(32)
         self._lock: IO[str] | None = None  # flock on RUN_DIR/supervisor.lock while we own the run dir
-        # The frontends' listening socket, bound by run() and kept open across frontend restarts, so that a
-        # dead master's connections wait in its backlog instead of being refused.
+        # The frontends' listening socket, bound before the frontend starts and kept open across its
+        # restarts, so that a dead master's connections wait in its backlog instead of being refused.
         self.listener: socket.socket | None = None
         self.reload_requested = threading.Event()  # SIGHUP: replace the frontend workers
         self._reload: RollingReload | None = None  # the reload in progress, fed the frontend's output
-        f = config.frontends
-        host = f"[{f.host}]" if ":" in f.host else f.host
-        self.url = f"http://{host}:{f.port}"
 
     # ---- output ----
 
@@ -148,78 +188,23 @@ class Supervisor:
 
     # ---- children ----
 
-    def broker_child(self) -> Child:
-        e = self.endpoints
-        config_json = msgspec.json.encode(self.config).decode()
-        argv = [sys.executable, "-m", "zserve.broker.broker", "--config-json", config_json,
-                "--client", e.client, "--work", e.work, "--out", e.out,
-                "--staged-models", ",".join(self.staged),
-                "--generative-models", ",".join(self.generative)]  # fmt: skip
-        return Child("broker", "broker", argv, {})
-
-    def engine_child(self, model: ModelConfig, index: int) -> Child:
-        env = {"OMP_NUM_THREADS": str(model.threads)}  # torch's intra-op threads (the engine sets the rest)
-        device = model.device_for(index)
-        if device.startswith("cuda:"):  # "cuda:2" or, for a tensor parallel group, "cuda:2,3" (rank r: cuda:r)
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            device = "cuda:0"
-        name = f"engine-{model.name}-{index}"
-        return Child(name, "engine", self._worker_argv("engine", name, model, device), env)
-
-    def stage_child(self, model: ModelConfig, index: int) -> Child:
-        """A preprocess stage: CPU only (no device), one credit, so batches spread evenly over stages."""
-        env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(model.threads)}  # a stage never uses a device
-        name = f"stage-{model.name}-{index}"
-        return Child(name, "stage", [*self._worker_argv("preprocess", name, model, "cpu"), "--credits", "1"], env)
-
-    def _worker_argv(self, module: str, name: str, model: ModelConfig, device: str) -> list[str]:
-        b = self.config.broker
-        return [sys.executable, "-m", f"zserve.stages.{module}", "--name", name,
-                "--model-json", msgspec.json.encode(model).decode(), "--device", device,
-                "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
-                "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
-                "--heartbeat-liveness", str(b.heartbeat_liveness), *self.worker_argv_extra]  # fmt: skip
-
-    def worker_children(self) -> list[Child]:
-        """Every engine and stage process of the deployment, model by model."""
-        children = []
-        for model in self.config.models:
-            children += [self.engine_child(model, i) for i in range(model.engines)]
-            children += [self.stage_child(model, i) for i in range(self.stage_count(model))]
-        return children
-
-    def stage_count(self, model: ModelConfig) -> int:
-        return preprocess_workers_for(self.config, model, self.staged) if model.name in self.staged else 0
-
-    def frontend_child(self) -> Child:
-        """The HTTP server ([frontends] server); its environment is built by ``frontend_env`` when it
-        starts (a fresh metrics dir each time). gunicorn serves the supervisor's socket once run() has bound it."""
-        f = self.config.frontends
-        fd = self.listener.fileno() if self.listener is not None and f.server == "gunicorn" else None
-        argv = server_argv(f, self.run_dir / f"{f.server}-{f.port}.pid", fd)  # one run dir may serve several ports
-        return Child("frontend", "frontend", argv, {}, pass_fds=(fd,) if fd is not None else ())
-
-    def frontend_env(self) -> dict[str, str]:
-        """What every frontend worker reads: its settings (JSON) and an empty prometheus multiprocess dir."""
-        metrics_dir = self.run_dir / f"metrics-{self.config.frontends.port}"  # one per frontend server
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        metrics_dir.mkdir(mode=0o700)
-        settings = FrontendSettings.from_config(self.config, self.endpoints, self.staged, probe_key=self.probe_key)
-        return {"ZSERVE_FRONTEND": msgspec.json.encode(settings).decode(), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-
     def start(self, child: Child) -> None:
         child.restart_at = None
+        env = child.spec.environ(dict(os.environ))
         if child.role == "frontend":
-            child.extra_env.update(self.frontend_env())
+            env.update(self.plan.frontend_env(self.probe_key))
+            metrics_dir = self.plan.metrics_dir  # a fresh one at each start: no dead workers' figures
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            metrics_dir.mkdir(mode=0o700)
         child.started_at = time.time()
         child.proc = subprocess.Popen(
-            child.argv,
-            env=child.env,
+            child.spec.argv,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
-            pass_fds=child.pass_fds,
+            pass_fds=child.spec.pass_fds,
         )
         child.pump = threading.Thread(target=self._pump, args=(child, child.proc.stdout), daemon=True)
         child.pump.start()
@@ -233,7 +218,7 @@ class Supervisor:
         state = SupervisorState(
             pid=os.getpid(),
             url=self.url,
-            staged=self.staged,
+            staged=list(self.plan.staged),
             processes=[
                 ProcessState(
                     name=c.name,
@@ -262,9 +247,8 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 continue
-            try:  # whatever the dead child left in its session (a gunicorn worker, a helper) goes with it; a
-                # dead master's workers stop gracefully, answering the requests they hold
-                os.killpg(child.proc.pid, signal.SIGTERM if child.role == "frontend" else signal.SIGKILL)
+            try:  # whatever the dead child left in its session (a gunicorn worker, a helper) goes with it
+                os.killpg(child.proc.pid, child.spec.leftover_signal)
             except (ProcessLookupError, PermissionError):
                 pass
             if code == EXIT_CANNOT_LOAD:
@@ -292,32 +276,15 @@ class Supervisor:
             self.say("supervisor", f"{child.name} exited with code {code}; restarting in {backoff:.1f}s")
 
     def wait_until(self, what: str, ready: Callable[[], bool]) -> None:
-        """Tick until ``ready()`` (a readiness probe) holds; fail on timeout, stop or give-up."""
-        deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
-        while not ready():
+        """Tick until ``ready()`` holds; fail on timeout, stop or give-up."""
+
+        def tick() -> bool:
             if self.stopping.is_set():
-                raise StartupError(f"stopped while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise StartupError(
-                    f"timed out after {self.config.supervisor.startup_timeout_s:.0f}s waiting for {what}"
-                )
+                return False
             self.tick()
-            time.sleep(_TICK_S)
+            return True
 
-    # ---- readiness probes ----
-
-    def engines_registered(self, client: Client) -> bool:
-        try:
-            report = client.health(timeout_s=1.0)
-        except BrokerUnavailable:
-            return False
-        health = {m.name: m for m in report.models}
-        return all(
-            m.name in health
-            and health[m.name].ready_workers >= m.engines
-            and health[m.name].preprocess_workers >= self.stage_count(m)
-            for m in self.config.models
-        )
+        wait_for(what, ready, self.config.supervisor.startup_timeout_s, tick)
 
     def _http_ready(self) -> bool:
         f = self.config.frontends
@@ -330,33 +297,19 @@ class Supervisor:
         finally:
             conn.close()
 
+    def _wait_ready(self, readiness: str, client: Callable[[], Client]) -> None:
+        """Wait for what ``readiness`` (a ChildSpec's) names to hold for the group just started."""
+        if readiness == "broker":
+            self.wait_until("the broker", lambda: broker_answers(client()))
+        elif readiness == "registered":
+            self.wait_until("the engines and stages to register", lambda: workers_registered(client(), self.plan))
+        elif readiness == "http":
+            self.wait_until(f"{self.url}/readyz", self._http_ready)
+
     # ---- lifecycle ----
 
-    @property
-    def lock_fd(self) -> int:
-        assert self._lock is not None, "prepare_run_dir() first"
-        return self._lock.fileno()
-
     def prepare_run_dir(self) -> None:
-        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.run_dir.stat().st_uid != os.getuid():
-            raise StartupError(f"run dir {self.run_dir} belongs to another user")
-        self.run_dir.chmod(0o700)
-        # One supervisor per run dir, for as long as it lives: a second one would steal the sockets.
-        self._lock = open(self.run_dir / "supervisor.lock", "a+")  # held until exit
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.seek(0)
-            owner = self._lock.read().strip() or "?"
-            self._lock.close()
-            self._lock = None
-            raise StartupError(f"a zserve deployment (pid {owner}) is already running from {self.run_dir}") from None
-        self._lock.truncate(0)
-        self._lock.write(str(os.getpid()))
-        self._lock.flush()
-        for stale in self.run_dir.glob("*.sock"):
-            stale.unlink()
+        self._lock = lock_run_dir(self.run_dir)
 
     def run(self) -> int:
         def on_signal(signum: int, _frame: object) -> None:
@@ -365,23 +318,34 @@ class Supervisor:
                 self.say("supervisor", f"received {signal.Signals(signum).name}: stopping")
             self.stopping.set()
 
+        specs = self.plan.children()
+        serves_http = any(spec.role == "frontend" for spec in specs)
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload_requested.set())
+        if serves_http:
+            signal.signal(signal.SIGHUP, lambda _signum, _frame: self.reload_requested.set())
         try:
             self.prepare_run_dir()
-            self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
-            self.start(self.broker_child())
-            with Client(self.endpoints.client) as client:
-                self.wait_until("the broker", lambda: self._broker_answers(client))
-                for child in self.worker_children():
-                    self.start(child)
-                self.wait_until("the engines and stages to register", lambda: self.engines_registered(client))
-            self.bind_listener()
-            self.start(self.frontend_child())
-            self.wait_until(f"{self.url}/readyz", self._http_ready)
-            self.say("supervisor", f"zserve ready: {self.url}")
-            print(f"zserve ready: {self.url}", file=self.out, flush=True)
+            if self.plan.worker_host:
+                self.say("supervisor", f"worker host {self.plan.worker_host}: broker at {self.endpoints.work}")
+            else:
+                self.say("supervisor", f"run dir {self.run_dir}; broker at {self.endpoints.client}")
+            with contextlib.ExitStack() as stack:
+                clients: list[Client] = []
+
+                def client() -> Client:  # one, opened at first use, for the readiness probes
+                    if not clients:
+                        clients.append(stack.enter_context(Client(self.endpoints.client)))
+                    return clients[0]
+
+                for _, group in itertools.groupby(specs, key=lambda spec: spec.start_order):
+                    group = list(group)
+                    for spec in group:
+                        self.start(Child(self._bound(spec)))
+                    self._wait_ready(group[0].ready, client)
+            if serves_http:
+                self.say("supervisor", f"zserve ready: {self.url}")
+                print(f"zserve ready: {self.url}", file=self.out, flush=True)
             self.reload_requested.clear()  # a SIGHUP during start-up: the frontends are new anyway
             while not self.stopping.wait(_TICK_S):
                 self.tick()
@@ -398,26 +362,23 @@ class Supervisor:
             self.shutdown()
         return 1 if self.gave_up else 0
 
-    def bind_listener(self) -> None:
+    def _bound(self, spec: ChildSpec) -> ChildSpec:
+        """The frontend serves the socket we bind and keep, so that its restarts refuse no connection."""
+        if spec.role != "frontend":
+            return spec
         f = self.config.frontends
-        if f.server != "gunicorn":
-            return  # granian cannot serve an inherited socket: it binds host:port itself
         try:
             self.listener = listen_socket(f.host, f.port)
         except OSError as exc:
             raise StartupError(f"cannot listen on {self.url}: {exc}") from None
+        return self.plan.frontend(listen_fd=self.listener.fileno())
 
     def reload_frontends(self) -> None:
-        """SIGHUP: replace the frontend workers with no failed request. gunicorn: one at a time, in a thread
-        (``RollingReload``) while ``tick`` goes on; granian: its own SIGHUP reload (it respawns each worker,
-        then stops the old one)."""
+        """SIGHUP: replace the frontend workers with no failed request, one at a time, in a thread
+        (``RollingReload``) while ``tick`` goes on."""
         child = next((c for c in self.children if c.role == "frontend"), None)
         if child is None or child.proc is None or child.restart_at is not None or child.proc.poll() is not None:
             self.say("supervisor", "received SIGHUP: no frontend running, nothing to reload")
-            return
-        if self.config.frontends.server == "granian":
-            self.say("supervisor", f"received SIGHUP: reloading {child.name} (granian respawns its workers)")
-            child.proc.send_signal(signal.SIGHUP)
             return
         if self._reload is not None:
             self.say("supervisor", "received SIGHUP: a frontend reload is already running")
@@ -438,28 +399,23 @@ class Supervisor:
         finally:
             self._reload = None
 
-    @staticmethod
-    def _broker_answers(client: Client) -> bool:
-        try:
-            client.health(timeout_s=0.5)
-            return True
-        except BrokerUnavailable:
-            return False
-
-    def _stop(self, role: str, sig: int, timeout_s: float) -> None:
-        procs = [c.proc for c in self.children if c.role == role and c.proc is not None and c.proc.poll() is None]
-        for proc in procs:
+    def _stop(self, children: list[Child]) -> None:
+        """SIGTERM to ``children`` (one stop group), then SIGKILL to what has not stopped in its time."""
+        running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+        for child in running:
             try:
-                proc.send_signal(sig)
+                child.proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        timeout_s = max((c.spec.stop_timeout_s for c in running), default=0.0)  # one role: one timeout
         deadline = time.monotonic() + timeout_s
-        for proc in procs:
+        for child in running:
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.say("supervisor", f"pid {proc.pid} ({role}) did not stop in {timeout_s:.0f}s: killing it")
-                self._kill_group(proc)
+                what = f"pid {child.proc.pid} ({child.role})"
+                self.say("supervisor", f"{what} did not stop in {timeout_s:.0f}s: killing it")
+                self._kill_group(child.proc)
 
     @staticmethod
     def _kill_group(proc: subprocess.Popen) -> None:
@@ -471,13 +427,11 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self.stopping.set()
-        c = self.config
         if self.listener is not None:  # our copy only: gunicorn keeps accepting on its own until it stops
             self.listener.close()
-        self._stop("frontend", signal.SIGTERM, c.frontends.graceful_timeout_s + 5)
-        self._stop("broker", signal.SIGTERM, c.broker.drain_timeout_s + 5)
-        self._stop("engine", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
-        self._stop("stage", signal.SIGTERM, c.supervisor.shutdown_timeout_s)
+        in_stop_order = sorted(self.children, key=lambda c: c.spec.stop_order)
+        for _, group in itertools.groupby(in_stop_order, key=lambda c: c.spec.stop_order):
+            self._stop(list(group))
         for child in self.children:
             if child.proc is not None:
                 # Anything a child left in its session (a gunicorn worker, a helper) goes too.

@@ -1,15 +1,15 @@
 """``zserve workers -c workers.toml``: a worker host. It runs only the engines and stages of its
-[[models]] tables, connected to a broker on another host over tcp (CURVE unless ``insecure``), with the
-same supervision as ``zserve up`` (restarts with backoff, giving up loudly). The broker treats them like
-its own workers: credits, heartbeats, re-dispatch of what a lost worker held. A worker whose link drops
-hears no broker heartbeat for the liveness period, registers again, and is served again once the link is
-back (ZeroMQ reconnects by itself)."""
+[[models]] tables, connected to a broker on another host over tcp (CURVE unless ``insecure``): a plan
+(``worker_host_plan``) that the supervisor of ``zserve up`` runs (restarts with backoff, giving up
+loudly). The broker treats them like its own workers: credits, heartbeats, re-dispatch of what a lost
+worker held. A worker whose link drops hears no broker heartbeat for the liveness period, registers again,
+and is served again once the link is back (ZeroMQ reconnects by itself)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -27,7 +27,7 @@ from zserve.config import (
     check_tcp_endpoint,
 )
 from zserve.devices import check_devices
-from zserve.supervisor import _TICK_S, Child, StartupError, Supervisor
+from zserve.plan import Deployment, plan
 
 
 class RemoteBrokerConfig(_Section, kw_only=True):
@@ -75,56 +75,26 @@ def load_workers_config(path: str | os.PathLike[str]) -> WorkersConfig:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 
-class WorkerHost(Supervisor):
-    """The Supervisor's child table and restart loop, with only engines and stages, pointed at a remote broker."""
-
-    def __init__(self, workers: WorkersConfig, config_path: str | os.PathLike[str]) -> None:
-        r = workers.broker
-        config = Config(
-            supervisor=workers.supervisor,
-            broker=BrokerConfig(heartbeat_interval_ms=r.heartbeat_interval_ms, heartbeat_liveness=r.heartbeat_liveness),
-            models=workers.models,
-        )
-        check_devices(workers.models)
-        super().__init__(config, config_path)
-        self.endpoints = Endpoints(client="", work=r.work_endpoint, out=r.out_endpoint)
-        if not r.insecure:
-            for path in (r.curve_key, r.broker_key):
-                if not Path(path).is_file():
-                    raise ConfigError(f"{config_path}: broker: key file {path} does not exist")
-            key, broker_key = (str(Path(p).expanduser().resolve()) for p in (r.curve_key, r.broker_key))
-            self.worker_argv_extra = ["--curve-key", key, "--broker-key", broker_key]
-        self.host_name = workers.host_name or socket.gethostname()
-
-    def worker_children(self) -> list[Child]:
-        """As ``zserve up``'s, named NAME@HOST: the broker's logs say which host a worker is on, and its
-        hung-worker check (by name in /proc) never takes a process of its own host for one of ours."""
-        children = super().worker_children()
-        for child in children:
-            name = f"{child.name}@{self.host_name}"
-            child.argv[child.argv.index("--name") + 1] = name
-            child.name = name
-        return children
-
-    def run(self) -> int:
-        def on_signal(signum: int, _frame: object) -> None:
-            self.signalled = True
-            if not self.stopping.is_set():
-                self.say("supervisor", f"received {signal.Signals(signum).name}: stopping")
-            self.stopping.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        try:
-            self.prepare_run_dir()
-            self.say("supervisor", f"worker host {self.host_name}: broker at {self.endpoints.work}")
-            for child in self.worker_children():
-                self.start(child)
-            while not self.stopping.wait(_TICK_S):
-                self.tick()
-        except StartupError as exc:
-            self.say("supervisor", f"ERROR {exc}")
-            self.gave_up = True
-        finally:
-            self.shutdown()
-        return 1 if self.gave_up else 0
+def worker_host_plan(workers: WorkersConfig, config_path: str | os.PathLike[str]) -> Deployment:
+    """The plan of ``zserve up`` reduced to the engines and stages of ``workers``' models, named NAME@HOST and
+    pointed at the remote broker (with this host's CURVE keys unless insecure). Run it with a Supervisor."""
+    r = workers.broker
+    config = Config(
+        supervisor=workers.supervisor,
+        broker=BrokerConfig(heartbeat_interval_ms=r.heartbeat_interval_ms, heartbeat_liveness=r.heartbeat_liveness),
+        models=workers.models,
+    )
+    check_devices(workers.models)
+    worker_args: tuple[str, ...] = ()
+    if not r.insecure:
+        for path in (r.curve_key, r.broker_key):
+            if not Path(path).is_file():
+                raise ConfigError(f"{config_path}: broker: key file {path} does not exist")
+        key, broker_key = (str(Path(p).expanduser().resolve()) for p in (r.curve_key, r.broker_key))
+        worker_args = ("--curve-key", key, "--broker-key", broker_key)
+    return replace(
+        plan(config, config_path),
+        endpoints=Endpoints(client="", work=r.work_endpoint, out=r.out_endpoint),
+        worker_args=worker_args,
+        worker_host=workers.host_name or socket.gethostname(),
+    )

@@ -24,12 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import mii_rest_client  # bench/ is not a package: put on sys.path above
 
 
-@pytest.fixture(scope="module", params=["gunicorn", "granian"])
-def served(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
     path = build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
     options = {"path": str(path), "block_size": 8, "num_blocks": 256, "max_running": 8, "max_new_tokens": 16}
-    client = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options=options, timeout_ms=120_000,
-                          server=request.param)  # fmt: skip
+    client = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options=options, timeout_ms=120_000)
     try:
         yield client
     finally:

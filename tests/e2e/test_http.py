@@ -1,4 +1,4 @@
-"""`zserve up` + HTTP through gunicorn and through granian: the whole data plane as users run it."""
+"""`zserve up` + HTTP through gunicorn: the whole data plane as users run it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ heartbeat_interval_ms = 100
 workers = 2
 port = {port}
 max_body_bytes = 4096
-server = "{server}"
 
 [[models]]
 name = "slow"
@@ -56,14 +55,13 @@ delay_s = 0.4
 """
 
 
-@pytest.fixture(scope="module", params=["gunicorn", "granian"])
-def deployment(request, tmp_path_factory):
-    """The same tests behind each frontend server; SIGTERM must stop all of it, server workers included."""
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """SIGTERM must stop all of it, gunicorn's workers included."""
     tmp = tmp_path_factory.mktemp("e2e")
-    path = write_config(tmp, CONFIG.format(port=free_port(), log_path=tmp / "computed.txt", server=request.param))
+    path = write_config(tmp, CONFIG.format(port=free_port(), log_path=tmp / "computed.txt"))
     d = Deployment(path).wait_ready()
-    module = {"gunicorn": "gunicorn", "granian": "zserve.frontends.granian_main"}[request.param]
-    servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", module]]
+    servers = [p for p in psutil.Process(d.proc.pid).children() if p.cmdline()[1:3] == ["-m", "gunicorn"]]
     # Ready means one worker answers /readyz; the second may still be booting (it was, once, in CI).
     deadline = time.monotonic() + 30
     while len(servers) == 1 and len(servers[0].children()) < 2 and time.monotonic() < deadline:
@@ -71,7 +69,7 @@ def deployment(request, tmp_path_factory):
     if len(servers) != 1 or len(servers[0].children()) != 2:  # the server's master and its 2 workers
         workers = servers[0].children() if len(servers) == 1 else []
         d.stop()
-        raise AssertionError(f"expected one {module} master with 2 workers: {servers}, {workers}\n{d.output}")
+        raise AssertionError(f"expected one gunicorn master with 2 workers: {servers}, {workers}\n{d.output}")
     yield d
     everything = d.descendants()
     assert d.stop() == 0, d.output

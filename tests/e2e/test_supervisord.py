@@ -110,31 +110,3 @@ def test_stop_all_leaves_no_process_and_status_says_not_ready(supervised):
     assert supervised.descendants() == []
     out = zserve_status(supervised.config_path)
     assert out.returncode == 1 and "NOT READY" in out.stdout, out.stdout
-
-
-def test_granian_frontend_under_supervisord_serves_and_stops_with_nothing_left(tmp_path):
-    port = free_port()
-    config_path = tmp_path / "supervisor.toml"
-    config_path.write_text(f"""
-[supervisor]
-run_dir = "{tempfile.mkdtemp(prefix="zs-")}"
-[frontends]
-server = "granian"
-workers = 2
-port = {port}
-[[models]]
-name = "m"
-handler = "testmodels:SlowEcho"
-""")
-    sd = Supervisord(config_path, Path(tempfile.mkdtemp(prefix="zsd-")))
-    try:
-        wait_http_ready(f"http://127.0.0.1:{port}", sd.proc, what=f"logs in {sd.state_dir}")
-        d = Deployment.__new__(Deployment)
-        d.url = f"http://127.0.0.1:{port}"
-        assert d.request("POST", "/v1/models/m/predict", {"a": 1})[2]["echo"] == {"a": 1}
-        everything = sd.descendants()
-        assert any(p.cmdline()[1:3] == ["-m", "zserve.frontends.granian_main"] for p in everything)
-        assert "frontend: stopped" in sd.ctl("stop", "all")
-        assert alive(everything) == []
-    finally:
-        assert sd.shutdown() == 0, sd.logs()

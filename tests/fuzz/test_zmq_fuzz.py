@@ -133,7 +133,7 @@ def still_serving(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("socket_name", ["client", "work", "out"])
 def test_fuzzed_frames_leave_the_broker_serving(cluster, socket_name):
-    endpoint = getattr(cluster.sup.endpoints, socket_name)
+    endpoint = getattr(cluster.plan.endpoints, socket_name)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH if socket_name == "out" else zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -173,7 +173,7 @@ def test_every_well_formed_submit_gets_exactly_one_reply(cluster):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.sup.endpoints.client)
+    sock.connect(cluster.plan.endpoints.client)
     ids = itertools.count(1)
     sent: list[int] = []
     items = st.builds(lambda model, timeout_ms, decoded: (model, timeout_ms, decoded),
@@ -220,7 +220,7 @@ def test_a_header_that_is_not_an_array_and_not_msgpack_is_dropped(tmp_path, head
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(c.sup.endpoints.client)
+        sock.connect(c.plan.endpoints.client)
         sock.send(header)
         sock.send(Codec().encode(HealthQuery(7)))
         answered = sock.poll(3000)

@@ -138,7 +138,7 @@ def test_async_client_and_many_futures_from_one_thread(cluster_factory):
     c = one_engine(cluster_factory, delay=0.01)
 
     async def main():
-        async with zserve.AsyncClient(c.sup.endpoints.client) as client:
+        async with zserve.AsyncClient(c.plan.endpoints.client) as client:
             results = await asyncio.gather(*(client.predict("slow", i) for i in range(100)))
             with pytest.raises(zserve.UnknownModel):
                 await client.predict("nope", 1)
@@ -155,7 +155,7 @@ def test_malformed_frames_do_not_stop_the_broker(cluster_factory):
     c = one_engine(cluster_factory, delay=0.0)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.connect(c.sup.endpoints.client)
+    sock.connect(c.plan.endpoints.client)
     for junk in ([b"\xc1\xc1"], [b""], [Codec().encode(HealthQuery(1))[:-1]]):
         sock.send_multipart(junk)
     sock.send(Codec().encode(HealthQuery(7)))
@@ -176,7 +176,7 @@ def test_broker_restart_loses_no_accepted_request_and_engines_re_register(cluste
     futures = [client.submit("slow", f"sync {i}") for i in range(12)]
 
     async def async_requests() -> list:
-        async with zserve.AsyncClient(c.sup.endpoints.client) as aclient:
+        async with zserve.AsyncClient(c.plan.endpoints.client) as aclient:
             tasks = [asyncio.create_task(aclient.predict("slow", f"async {i}")) for i in range(12)]
             await asyncio.sleep(0.3)  # in flight in the broker and the engine when it dies
             broker.send_signal(signal.SIGKILL)
@@ -274,8 +274,8 @@ def test_a_hung_worker_the_broker_cannot_kill_exits_when_told_to(cluster_factory
         pytest.skip("unshare --pid is not available here (needs CAP_SYS_ADMIN)")
     c = cluster_factory(HANGS.replace("engines = 3", "engines = 1"))
     c.start_broker()
-    child = c.sup.engine_child(c.config.model("hangs"), 0)
-    engine = c._spawn(dataclasses.replace(child, argv=["unshare", "--pid", "--fork", "--kill-child", *child.argv]))
+    child = c.plan.engine(c.config.model("hangs"), 0)
+    engine = c._spawn(dataclasses.replace(child, argv=("unshare", "--pid", "--fork", "--kill-child", *child.argv)))
     c.wait_ready({"hangs": 1})
     client = c.client()
     hung = client.submit("hangs", "hang", timeout_ms=4000)

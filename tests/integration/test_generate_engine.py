@@ -168,7 +168,7 @@ def test_async_client_generate_and_stream(cluster_factory, tiny_path, reference)
     c = start(cluster_factory, tiny_path)
 
     async def main():
-        async with zserve.AsyncClient(c.sup.endpoints.client) as client:
+        async with zserve.AsyncClient(c.plan.endpoints.client) as client:
             responses = await client.generate(PROMPTS[:4], model="lm", max_new_tokens=10, ignore_eos=True)
             stream = client.generate_stream(PROMPTS[0], model="lm", max_new_tokens=10, ignore_eos=True)
             deltas = [d async for d in stream]

@@ -10,7 +10,7 @@ from cluster import subprocess_env
 
 from zserve.config import ConfigError, parse_config
 from zserve.devices import check_devices, gpu_count
-from zserve.supervisor import Supervisor
+from zserve.plan import plan
 
 GPU_MODEL = """
 [[models]]
@@ -25,18 +25,18 @@ def test_engines_per_device_gives_each_device_its_engines_through_cuda_visible_d
     config = parse_config(GPU_MODEL)
     model = config.models[0]
     assert model.engines == 4
-    sup = Supervisor(config, tmp_path / "s.toml")
-    children = [sup.engine_child(model, i) for i in range(model.engines)]
-    assert [c.extra_env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0", "1", "0", "1"]
+    deployment = plan(config, tmp_path / "s.toml")
+    children = [deployment.engine(model, i) for i in range(model.engines)]
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0", "1", "0", "1"]
     for child in children:  # the engine sees its one device as cuda:0
         assert child.argv[child.argv.index("--device") + 1] == "cuda:0"
-    stage = sup.stage_child(model, 0)
-    assert stage.extra_env["CUDA_VISIBLE_DEVICES"] == ""
+    stage = deployment.stage(model, 0)
+    assert stage.env["CUDA_VISIBLE_DEVICES"] == ""
     cpu = parse_config(GPU_MODEL.replace('"cuda:0", "cuda:1"', '"cpu"')).models[0]
-    assert "CUDA_VISIBLE_DEVICES" not in sup.engine_child(cpu, 0).extra_env
+    assert "CUDA_VISIBLE_DEVICES" not in deployment.engine(cpu, 0).env
     pairs = parse_config(GPU_MODEL.replace('"cuda:0", "cuda:1"', '"cuda:0,1", "cuda:2,3"')).models[0]
-    group = sup.engine_child(pairs, 1)  # a tensor parallel engine: its group's ranks see both, as cuda:0 and 1
-    assert group.extra_env["CUDA_VISIBLE_DEVICES"] == "2,3" and group.argv[group.argv.index("--device") + 1] == "cuda:0"
+    group = deployment.engine(pairs, 1)  # a tensor parallel engine: its group's ranks see both, as cuda:0 and 1
+    assert group.env["CUDA_VISIBLE_DEVICES"] == "2,3" and group.argv[group.argv.index("--device") + 1] == "cuda:0"
 
 
 @pytest.mark.parametrize(

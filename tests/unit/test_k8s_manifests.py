@@ -241,8 +241,6 @@ def test_auth_health_probes_insecure_and_refusals():
     assert all("--curve-key" not in container(d)["args"] for d in by_kind(objs, "Deployment").values())
     with pytest.raises(ConfigError, match="insecure_any_host"):
         manifests(insecure.replace("insecure_any_host = true\n", ""))
-    with pytest.raises(ConfigError, match="granian"):
-        manifests(insecure.replace("[broker]", '[frontends]\nserver = "granian"\n[broker]'))
     with pytest.raises(ConfigError, match="mixes cpu and cuda"):
         manifests(insecure + 'devices = ["cpu", "cuda:0"]\n')
 

@@ -19,7 +19,6 @@ shutdown_timeout_s = 7
 drain_timeout_s = 4
 
 [frontends]
-server = "granian"
 graceful_timeout_s = 6
 
 [[models]]
