@@ -106,16 +106,16 @@ def closed_loop(client: Any, window: int, duration_s: float) -> tuple[int, float
 def measure(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     from zserve import Client
     from zserve.config import parse_config
-    from zserve.supervisor import Supervisor
+    from zserve.plan import plan
 
     run_dir = tempfile.mkdtemp(prefix="zs-scale-")
     config = parse_config(deployment_toml(run_dir, engines, args))
-    sup = Supervisor(config, Path(run_dir) / "supervisor.toml")
+    sup = plan(config, Path(run_dir) / "supervisor.toml")
     env_extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
     procs = []
-    for child in [sup.broker_child(), *[sup.engine_child(config.models[0], i) for i in range(engines)]]:
+    for child in [sup.broker(), *[sup.engine(config.models[0], i) for i in range(engines)]]:
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        procs.append(subprocess.Popen(child.argv, env={**child.env, **env_extra}, **quiet))
+        procs.append(subprocess.Popen(child.argv, env={**child.environ(dict(os.environ)), **env_extra}, **quiet))
     try:
         with Client(sup.endpoints.client, timeout_ms=60_000) as client:
             deadline = time.monotonic() + 60
