@@ -181,7 +181,7 @@ class ModelConfig(_Section, kw_only=True):
     max_wait_ms: NonNegativeFloat = 5.0
     """How long the oldest queued item may wait for a fuller batch while every engine is busy (an idle engine takes
     what is queued at once)."""
-    # broker/scheduler.py states the fairness bound.
+    # zserve/batching/scheduler.py states the fairness bound.
     max_batch_cost: NonNegativeInt = 0
     """Cost-aware batching. `0` batches by count only; otherwise a batch costs its size times its largest item's cost
     (the handler's `cost(item)`: tokens for the text handlers, pixels for images), is closed before it would pass this
