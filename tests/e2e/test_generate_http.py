@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
@@ -18,10 +16,8 @@ import pytest
 from tinylm import build_tiny_lm
 
 import zserve
+from bench import mii_rest_client  # bench is a package at the repo root (pytest's pythonpath = ["."])
 from zserve.stages.generate import grammar
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import mii_rest_client  # bench/ is not a package: put on sys.path above
 
 
 @pytest.fixture(scope="module")
