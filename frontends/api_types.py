@@ -96,9 +96,9 @@ class StreamOptions(msgspec.Struct):
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
-    does. Refused unless neutral (400 naming the field): best_of other than n, suffix, tools;
-    logprobs with stream (logprobs are not streamed yet); echo with logprobs (prompt logprobs are not
-    computed). ``n`` is at most the engine's running slots; ``logprobs``/``top_logprobs`` at most 20."""
+    does. Refused unless neutral (400 naming the field): best_of other than n, suffix; echo with logprobs
+    (prompt logprobs are not computed). ``n`` is at most the engine's running slots; ``logprobs`` and
+    ``top_logprobs`` at most 20."""
 
     model: str
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -139,14 +139,60 @@ class ChatContentPart(msgspec.Struct):
     text: str = ""
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it (named/required choices: it follows the schema)
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageIn(msgspec.Struct):
+    """A message of the history: ``system``/``user``/``assistant``/``tool`` (any role the chat template
+    takes). An assistant's ``tool_calls`` and a ``tool`` message's ``tool_call_id`` (it must answer a call
+    of an earlier assistant message) are rendered by the template."""
+
     role: str
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: str  # 1-64 of a-z, A-Z, 0-9, _ and -
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None  # the arguments follow the schema under a forced choice whatever this says
+
+
+class ToolDefinition(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
+    """Tool calling (docs/openai.md): ``tools`` rendered by the chat template; ``tool_choice`` ``none``
+    (plain content), ``auto`` (the default with tools: the model's own tool-call format parsed into
+    ``tool_calls`` by the model's ``tool_parser``), ``required`` or a named function (forced by the grammar,
+    the arguments follow the schema); ``parallel_tool_calls`` false: at most one call."""
+
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class Usage(msgspec.Struct):
@@ -184,9 +230,10 @@ class Completion(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ChatMessageOut(msgspec.Struct):
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the answer is tool calls only
+    tool_calls: list[ToolCall] = []
 
 
 class TopLogprobOut(msgspec.Struct):
@@ -210,7 +257,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: str
+    finish_reason: str  # "stop" | "length" | "tool_calls"
 
 
 class ChatCompletion(msgspec.Struct):
@@ -222,9 +269,25 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed part of a tool call: its first has ``id``, ``type`` and ``function.name`` (arguments
+    ""), the next ones ``function.arguments`` text to append; ``index`` says which call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import falcon
@@ -20,7 +21,7 @@ import msgspec
 
 from zserve.client import AsyncClient, AsyncGenerationStream
 from zserve.errors import BadRequest, ZserveError
-from zserve.frontends import metrics
+from zserve.frontends import metrics, tool_calls
 from zserve.frontends.api_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -34,10 +35,14 @@ from zserve.frontends.api_types import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionCall,
+    FunctionCallDelta,
     MiiRequest,
     OpenAIError,
     OpenAIErrorDetail,
     TokenLogprobOut,
+    ToolCall,
+    ToolCallDelta,
     TopLogprobOut,
     Usage,
     decode_body,
@@ -48,7 +53,7 @@ from zserve.model import Model
 
 _json = msgspec.json.Encoder()
 # OpenAI fields that would change the output and that we do not implement: refused, never ignored.
-_UNSUPPORTED = {"suffix": None, "tools": None}
+_UNSUPPORTED = {"suffix": None}
 _MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (OpenAI's own limits: 20 for chat, 5 for completions)
 
 
@@ -126,8 +131,9 @@ def _choices(items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI messages (content as a string, or a list of text parts) as plain {role, content} pairs."""
+def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages (content as a string, or a list of text parts) as {role, content} (with an
+    assistant's ``tool_calls``, a tool message's ``tool_call_id``, a ``name``, when given)."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list of {role, content}", field="messages")
     out = []
@@ -141,8 +147,20 @@ def _chat_messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise BadRequest("message content must be a string or text parts", field="messages")
-        out.append({"role": m["role"], "content": content})
-    return out
+        out.append({"role": m["role"], "content": content,
+                    **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}})  # fmt: skip
+    return tool_calls.check_history(out)
+
+
+@dataclass
+class _ChoiceState:
+    """What a route keeps per choice while answering: the text it starts with (completions' ``echo``), its
+    tool-call parser (chat with tools), whether a streamed chunk went out yet."""
+
+    prefix: str = ""
+    tools: tool_calls.ToolCallStream | None = None
+    started: bool = False
+    announce: bool = False  # stream a first (role) chunk even without text: n > 1
 
 
 class _GenerateRoute:
@@ -210,45 +228,62 @@ class _OpenAIRoute(_GenerateRoute):
             prompts = self._requests(model, body)
             items = _choices(prompts, body.get("n") or 1)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
-            prefixes = self._prefixes(body, prompts, len(items) // len(prompts))
-            if body.get("stream"):
-                if len(prompts) != 1:
-                    raise BadRequest("streaming takes one prompt per request", field="prompt")
-                usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                streams = [self.client.generate_stream(item, model=name, decoded=True) for item in items]
-                try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
-                    firsts = await asyncio.gather(*(_first(s) for s in streams))
-                except BaseException:
-                    for s in streams:
-                        await s.aclose()
-                    raise
-                resp.sse = self._stream(streams, firsts, prefixes, meta, usage, len(items))
-                resp.set_header("Cache-Control", "no-cache")
-                return
-            responses = await asyncio.gather(*(self._run(name, item) for item in items))
-            resp.data = _json.encode(self._completion(meta, responses, prefixes, len(items) // len(prompts)))
+            states = self._states(model, body, prompts, len(items) // len(prompts))
+            try:
+                if body.get("stream"):
+                    if len(prompts) != 1:
+                        raise BadRequest("streaming takes one prompt per request", field="prompt")
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    streams = [self.client.generate_stream(item, model=name, decoded=True) for item in items]
+                    try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
+                        firsts = await asyncio.gather(*(_first(s) for s in streams))
+                    except BaseException:
+                        for s in streams:
+                            await s.aclose()
+                        raise
+                    resp.sse = self._stream(streams, firsts, states, meta, usage)
+                    resp.set_header("Cache-Control", "no-cache")
+                    return
+                responses = await asyncio.gather(*(self._run(name, item) for item in items))
+            except BadRequest as exc:
+                raise self._refused(body, exc) from None
+            resp.data = _json.encode(self._completion(meta, responses, states, len(items) // len(prompts)))
             resp.content_type = falcon.MEDIA_JSON
 
         await self._answer(resp, openai_error, work)
 
-    def _prefixes(self, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[str]:
-        """The text each choice starts with (completions' ``echo``: its prompt)."""
-        return [""] * (len(prompts) * n)
+    def _refused(self, body: dict[str, Any], exc: BadRequest) -> BadRequest:
+        """The engine's refusal as the client should read it (chat: a tool schema it cannot compile)."""
+        return exc
 
-    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse], prefixes: list[str], n: int) -> Any:
+    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
+        """Each choice's state (completions' ``echo``: its prompt as prefix)."""
+        return [_ChoiceState(announce=n > 1) for _ in range(len(prompts) * n)]
+
+    def _completion(self, meta: dict[str, Any], responses: list[GenerateResponse], states: list[_ChoiceState],
+                    n: int) -> Any:  # fmt: skip
         # usage: each prompt once (as OpenAI and vLLM count it; its n choices share it), every choice's tokens
         prompt_tokens = sum(r.prompt_length for r in responses[::n])
         completion_tokens = sum(r.generated_length for r in responses)
-        choices = [self._choice(i, r, prefixes[i]) for i, r in enumerate(responses)]
+        choices = [self._choice(i, r, states[i]) for i, r in enumerate(responses)]
         return self.answer_type(**meta, object=self.object_name, choices=choices,
                                 usage=_usage(prompt_tokens, completion_tokens))  # fmt: skip
 
-    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> Any:
+    def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> Any:
         raise NotImplementedError
 
     def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> Any:
         """A streamed chunk's choice; ``end``: the choice's whole response, with its last chunk."""
         raise NotImplementedError
+
+    def _deltas(self, index: int, text: str, end: GenerateResponse | None, state: _ChoiceState) -> list[Any]:
+        """The chunk choices for a choice's new ``text`` (and its end): one, or none for a first chunk with
+        nothing to say."""
+        if not text and end is None and not state.started and not state.announce:
+            return []
+        out = [self._delta(index, text if text or end is None else None, not state.started, end)]
+        state.started = True
+        return out
 
     def _event(self, meta: dict[str, Any], choices: list[Any], usage: Usage | None = None) -> falcon.asgi.SSEvent:
         chunk = self.chunk_type(**meta, object=self.chunk_object_name, choices=choices, usage=usage)
@@ -258,10 +293,9 @@ class _OpenAIRoute(_GenerateRoute):
         self,
         streams: list[AsyncGenerationStream],
         firsts: list[str | None],
-        prefixes: list[str],
+        states: list[_ChoiceState],
         meta: dict[str, Any],
         usage: bool,
-        n: int,
     ) -> AsyncIterator[Any]:
         """The choices' deltas as they come (each choice's first chunk carries the role, its last the
         finish_reason and, if asked, its logprobs), then usage, then ``[DONE]``."""
@@ -278,10 +312,8 @@ class _OpenAIRoute(_GenerateRoute):
         pumps: list[asyncio.Task] = []
         try:
             for i, first in enumerate(firsts):
-                text = prefixes[i] + (first or "")
-                if text or len(firsts) > 1:
-                    yield self._event(meta, [self._delta(i, text, True, None)])
-            started = [bool(prefixes[i] or first or len(firsts) > 1) for i, first in enumerate(firsts)]
+                for choice in self._deltas(i, states[i].prefix + (first or ""), None, states[i]):
+                    yield self._event(meta, [choice])
             pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
             ended: list[GenerateResponse] = []
             while len(ended) < len(streams):
@@ -289,11 +321,12 @@ class _OpenAIRoute(_GenerateRoute):
                 if isinstance(item, ZserveError):
                     raise item
                 if isinstance(item, str):
-                    yield self._event(meta, [self._delta(index, item, not started[index], None)])
+                    choices = self._deltas(index, item, None, states[index])
                 else:
                     ended.append(item)
-                    yield self._event(meta, [self._delta(index, None, not started[index], item)])
-                started[index] = True
+                    choices = self._deltas(index, "", item, states[index])
+                for choice in choices:
+                    yield self._event(meta, [choice])
             if usage:
                 completion_tokens = sum(r.generated_length for r in ended)
                 yield self._event(meta, [], _usage(ended[0].prompt_length, completion_tokens))
@@ -337,14 +370,13 @@ class CompletionsResource(_OpenAIRoute):
             sampling["logprobs"] = _logprobs(logprobs, "logprobs")
         return [decode_item(model, {"prompt": p, **sampling}) for p in prompts]
 
-    def _prefixes(self, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[str]:
-        if not body.get("echo"):
-            return [""] * (len(prompts) * n)
-        return [p["prompt"] for p in prompts for _ in range(n)]
+    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
+        echo = bool(body.get("echo"))
+        return [_ChoiceState(prefix=p["prompt"] if echo else "", announce=n > 1) for p in prompts for _ in range(n)]
 
-    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> CompletionChoice:
-        logprobs = None if response.logprobs is None else _completion_logprobs(response, len(prefix))
-        return CompletionChoice(index, prefix + response.generated_text, logprobs, response.finish_reason)
+    def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> CompletionChoice:
+        logprobs = None if response.logprobs is None else _completion_logprobs(response, len(state.prefix))
+        return CompletionChoice(index, state.prefix + response.generated_text, logprobs, response.finish_reason)
 
     def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> CompletionChoice:
         logprobs = None if end is None or end.logprobs is None else _completion_logprobs(end, 0)
@@ -366,11 +398,62 @@ class ChatCompletionsResource(_OpenAIRoute):
             sampling["logprobs"] = _logprobs(top or 0, "top_logprobs")
         elif top:
             raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
-        return [decode_item(model, {"messages": _chat_messages(body.get("messages")), **sampling})]
+        messages = _chat_messages(body.get("messages"))
+        tools = _tooling(body)
+        if tools is not None:
+            functions, choice, parallel = tools
+            schema = tool_calls.forced_schema(choice, functions, parallel)
+            if schema is not None:
+                if "json_schema" in sampling or "json_object" in sampling:
+                    raise BadRequest("a forced tool_choice (required or a function) with response_format",
+                                     field="tool_choice")  # fmt: skip
+                sampling["json_schema"] = _json.encode(schema).decode()
+            sampling["tools"] = body["tools"]
+        return [decode_item(model, {"messages": messages, **sampling})]
 
-    def _choice(self, index: int, response: GenerateResponse, prefix: str) -> ChatChoice:
-        message = ChatMessageOut("assistant", response.generated_text)
-        return ChatChoice(index, message, _chat_logprobs(response), response.finish_reason)
+    def _refused(self, body: dict[str, Any], exc: BadRequest) -> BadRequest:
+        forced = body.get("tool_choice") not in (None, "none", "auto")
+        if forced and exc.field == "response_format":  # the grammar came from the tools' schemas
+            return BadRequest(exc.message, field="tools")
+        return exc
+
+    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
+        tools = _tooling(body)
+        if tools is None:
+            return super()._states(model, body, prompts, n)
+        _, choice, parallel = tools
+        if choice == "none":
+            return super()._states(model, body, prompts, n)
+        if isinstance(choice, tool_calls.Function):
+            mode, name = "named", choice.name
+        else:
+            mode, name = ("required" if choice == "required" else _tool_parser(model)), ""
+        return [_ChoiceState(tools=tool_calls.ToolCallStream(mode, name=name, parallel=parallel), announce=n > 1)
+                for _ in range(len(prompts) * n)]  # fmt: skip
+
+    def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> ChatChoice:
+        if state.tools is None:
+            message = ChatMessageOut("assistant", response.generated_text)
+            return ChatChoice(index, message, _chat_logprobs(response), response.finish_reason)
+        content, calls = tool_calls.whole(state.tools, response.generated_text)
+        out = [ToolCall(c["id"], "function", FunctionCall(**c["function"])) for c in calls]
+        message = ChatMessageOut("assistant", content, out)
+        return ChatChoice(index, message, _chat_logprobs(response), _finish_reason(response, state))
+
+    def _deltas(self, index: int, text: str, end: GenerateResponse | None, state: _ChoiceState) -> list[Any]:
+        if state.tools is None:
+            return super()._deltas(index, text, end, state)
+        pieces = (state.tools.feed(text) if text else []) + (state.tools.finish() if end is not None else [])
+        deltas = [_piece_delta(p) for p in pieces]
+        if not deltas and end is None and not state.started and state.announce:
+            deltas = [ChatDelta()]
+        out = [ChatChunkChoice(index, d, None, None) for d in deltas]
+        if end is not None:
+            out.append(ChatChunkChoice(index, ChatDelta(), _chat_logprobs(end), _finish_reason(end, state)))
+        if out and not state.started:
+            out[0].delta.role = "assistant"
+        state.started = state.started or bool(out)
+        return out
 
     def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> ChatChunkChoice:
         delta = ChatDelta(role="assistant" if first else None, content=text)
@@ -380,6 +463,48 @@ class ChatCompletionsResource(_OpenAIRoute):
 
 def _max_running(model: Model) -> int:
     return int(model.options.get("max_running", 64))
+
+
+def _tooling(body: dict[str, Any]) -> tuple[list[tool_calls.Function], str | tool_calls.Function, bool] | None:
+    """A chat body's tools, its tool_choice and parallel_tool_calls, checked; None without tools."""
+    tools = body.get("tools")
+    if tools is None:
+        tool_calls.check_tool_choice(body.get("tool_choice"), [])  # a choice other than none needs tools
+        return None
+    functions = tool_calls.check_tools(tools)
+    return functions, tool_calls.check_tool_choice(body.get("tool_choice"), functions), body.get(
+        "parallel_tool_calls") is not False  # fmt: skip
+
+
+_TEMPLATE_PARSERS: dict[str, str] = {}  # model path -> the parser its chat template calls for
+
+
+def _tool_parser(model: Model) -> str:
+    """The model's ``tool_parser`` option; ``auto``: by its chat template (read once), hermes if unknown."""
+    choice = str(model.options.get("tool_parser", "auto"))
+    if choice != "auto":
+        return choice
+    key = str(model.options.get("path"))
+    if key not in _TEMPLATE_PARSERS:
+        read = getattr(model, "chat_template", None)
+        _TEMPLATE_PARSERS[key] = tool_calls.parser_for_template(read() if read else None)
+    return _TEMPLATE_PARSERS[key]
+
+
+def _finish_reason(response: GenerateResponse, state: _ChoiceState) -> str:
+    if state.tools is not None and state.tools.calls and response.finish_reason == "stop":
+        return "tool_calls"
+    return response.finish_reason
+
+
+def _piece_delta(piece: tool_calls.Piece) -> ChatDelta:
+    if piece.content is not None:
+        return ChatDelta(content=piece.content)
+    if piece.id is not None:
+        call = ToolCallDelta(piece.index, piece.id, "function", FunctionCallDelta(piece.name, piece.arguments))
+    else:
+        call = ToolCallDelta(piece.index, function=FunctionCallDelta(arguments=piece.arguments))
+    return ChatDelta(tool_calls=[call])
 
 
 def _chat_logprobs(response: GenerateResponse) -> ChatLogprobs | None:

@@ -15,9 +15,14 @@ from msgspec import Meta
 from zserve.errors import BadRequest
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str
+    # tool calling (OpenAI's shapes, passed to the chat template as they are): an assistant's calls, and the
+    # call a `tool` message answers
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -25,6 +30,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, rendered by the chat template
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = None  # None: the model's default
     # DeepSpeed-MII's cap on prompt + generated tokens; the tighter of the two applies
     max_length: Annotated[int, Meta(ge=1)] | None = None

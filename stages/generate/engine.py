@@ -145,7 +145,10 @@ class GenerativeEngine:
         """Tokenise (applying the chat template to ``messages``) and check the lengths."""
         if request.messages is not None:
             text = self.tokenizer.apply_chat_template(
-                [msgspec.to_builtins(m) for m in request.messages], tokenize=False, add_generation_prompt=True
+                [msgspec.to_builtins(m) for m in request.messages],
+                tools=request.tools,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:

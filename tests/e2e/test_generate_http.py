@@ -112,7 +112,8 @@ def test_errors_come_in_openai_shape(oai):
                          ({"response_format": {"type": "xml"}}, "response_format"),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                           "response_format"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:  # fmt: skip
+                         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                         ({"tool_choice": "required"}, "tool_choice")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as info:
             oai.chat.completions.create(**chat, extra_body=extra)
         assert info.value.body["param"] == param, extra

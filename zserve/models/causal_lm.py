@@ -16,7 +16,10 @@ memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_
 budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
 ``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
 ("onednn": on a CPU the linear layers' weights are prepacked for oneDNN once at load; "torch": as loaded),
-``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch").
+``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch"),
+and ``tool_parser`` (how /v1/chat/completions reads the model's own tool calls under ``tool_choice: auto``:
+"hermes" for ``<tool_call>{...}</tool_call>``, "llama3" for Llama 3's JSON calls, "auto": from the chat
+template; see docs/openai.md).
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ class CausalLM(Model):
         cpu_linear: str = "onednn",
         cpu_attention: str = "native",
         model_impl: str = "auto",
+        tool_parser: str = "auto",
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
             tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
-            model_impl=model_impl,
+            model_impl=model_impl, tool_parser=tool_parser,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
@@ -70,6 +74,8 @@ class CausalLM(Model):
             raise ValueError(f"dtype {dtype!r} must be one of auto, float32, bfloat16, float16")
         if model_impl not in ("auto", "zserve", "transformers"):
             raise ValueError(f"model_impl {model_impl!r} must be auto, zserve or transformers")
+        if tool_parser not in ("auto", "hermes", "llama3"):
+            raise ValueError(f"tool_parser {tool_parser!r} must be auto, hermes or llama3")
         self.path = path
         self.gguf_file = gguf_file
         self.dtype = dtype
@@ -102,6 +108,38 @@ class CausalLM(Model):
 
     def encode_response(self, output: GenerateResponse | dict[str, Any]) -> dict[str, Any]:
         return output if isinstance(output, dict) else msgspec.to_builtins(output)
+
+    def chat_template(self) -> str | None:
+        """The chat template's text as the model's files hold it (tokenizer_config.json, chat_template.jinja),
+        read without loading the tokenizer and without the network (a hub model only from the local cache);
+        None when not found. The frontend picks the tool-call parser by it."""
+        import json
+        from pathlib import Path
+
+        from zserve.gguf_cache import resolve_model_path
+
+        try:
+            path = resolve_model_path(self.path)
+        except (OSError, ValueError):
+            return None
+        texts = []
+        for name in ("chat_template.jinja", "tokenizer_config.json"):
+            file: Any = Path(path) / name
+            if not file.is_file():
+                try:
+                    from huggingface_hub import try_to_load_from_cache
+
+                    file = try_to_load_from_cache(path, name)
+                except Exception:  # not a hub name
+                    file = None
+                if not isinstance(file, str):
+                    continue
+            text = Path(file).read_text(errors="replace")
+            if name.endswith(".json"):
+                template = json.loads(text).get("chat_template")
+                text = template if isinstance(template, str) else json.dumps(template) if template else ""
+            texts.append(text or "")
+        return "\n".join(texts) or None
 
     # ---- in process (zserve.pipeline) ----
 
