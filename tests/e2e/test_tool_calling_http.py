@@ -6,6 +6,7 @@ non-streamed answer; bad tool input is a 400 naming its field."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
@@ -111,3 +112,29 @@ def test_a_tool_loop_history_renders_and_bad_input_is_a_400(oai):
         with pytest.raises(openai.BadRequestError) as info:
             oai.chat.completions.create(model="tiny", max_tokens=4, **kw)
         assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error", kw
+
+
+def test_a_two_turn_tool_loop_through_the_openai_agents_sdk(oai):
+    """openai-agents, unchanged: tool_choice required forces the call, the SDK runs the tool, sends its result
+    back as a tool message (tool_choice reset to auto), and the model's answer ends the run."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    # parallel_tool_calls false: at most one forced call (a greedy random model would repeat calls to the limit)
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120)
+    client = openai.AsyncOpenAI(base_url=str(oai.base_url), api_key="unused", max_retries=0)
+    agent = Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                  model_settings=settings)  # fmt: skip
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert seen and seen[0] in ("Paris", "Oslo"), [r.output for r in result.raw_responses]
+    assert isinstance(result.final_output, str)
+    assert len(result.raw_responses) >= 2  # the call, then the answer after the tool message
