@@ -111,7 +111,7 @@ class PendingRequest:
         """The answer's Connection header: close when the client asked, or when the worker is stopping and
         nothing else waits on the connection; keep-alive for an HTTP/1.0 client that asked for it."""
         conn = self.conn
-        if not conn.worker.alive and len(conn.queue) == 1:
+        if not conn.worker.alive and len(conn.queue) == 1:  # gunicorn's field (gunicorn_internals.WORKER_FIELDS)
             self.keep_alive = False
         if not self.keep_alive:
             return CLOSE

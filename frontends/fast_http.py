@@ -13,6 +13,10 @@ Every other request (another route or method, a model name this worker does not 
 ASGI protocol and the falcon app, unchanged: the connection is handed over with that request's bytes once
 the fast path has answered everything it holds, and stays there. So errors, auth, metrics and answers are
 the same whichever path serves a request; only the ``Server`` header tells them apart (``zserve`` here).
+
+Each connection's life (reading, holding pipelined bytes, handing over, its last answer, closing) is one
+``ConnState`` of ``fast_state.py``, where the states and their allowed transitions are; what this takes of
+gunicorn's internals is in ``gunicorn_internals.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from collections import deque
 from typing import Any
 
 import gunicorn_h1c
-from gunicorn.asgi.protocol import ASGIProtocol
 
+from zserve.frontends import gunicorn_internals
 from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, PendingRequest, error_response
+from zserve.frontends.fast_state import ConnState, Event, advance
 from zserve.frontends.resources import PredictRoute
 
 log = logging.getLogger("zserve.frontend")
@@ -41,6 +46,18 @@ SWEEP_INTERVAL_S = 0.25
 LINGER_S = 2.0
 
 
+# The states, as module names: compared on the hot path (a global load and an identity test each).
+READING, HOLDING, HOLD_RESUMING = ConnState.READING, ConnState.HOLDING, ConnState.HOLD_RESUMING
+HANDING_OVER, HANDOVER_SCHEDULED = ConnState.HANDING_OVER, ConnState.HANDOVER_SCHEDULED
+FINAL, LINGER, CLOSING, LINGERING, CLOSED = (
+    ConnState.FINAL,
+    ConnState.LINGER,
+    ConnState.CLOSING,
+    ConnState.LINGERING,
+    ConnState.CLOSED,
+)
+
+
 class FastHttpProtocol(asyncio.Protocol):
     """One HTTP/1.1 connection of a worker (see the module's docstring)."""
 
@@ -50,33 +67,28 @@ class FastHttpProtocol(asyncio.Protocol):
         self.route: PredictRoute = worker.frontend.predict
         self.auth = worker.frontend.auth
         self.connections = connections
-        cfg = worker.cfg
         self.parser = gunicorn_h1c.H1CProtocol(
             on_headers_complete=self._on_headers,
             on_body=self._on_body,
             on_message_complete=self._on_complete,
-            limit_request_line=cfg.limit_request_line or (1 << 20),  # 0 = unlimited in gunicorn's terms
-            limit_request_fields=cfg.limit_request_fields,
-            limit_request_field_size=cfg.limit_request_field_size,
             limit_remaining=0,  # the bytes after a message are all kept: pipelined requests are never cut
+            **connections.parser_limits,
         )
         self.transport: asyncio.Transport | None = None
+        self.state = READING  # see fast_state.py; changed only through advance()
         self.queue: deque[PendingRequest] = deque()  # arrival order = answer order
         self._raw: list[bytes] | None = []  # the message's bytes until it is known to be ours
         self._current: PendingRequest | None = None  # the message being parsed, when it is ours
-        self._complete = False
-        self._held: bytes | None = None  # bytes not parsed yet: MAX_PIPELINED requests wait already
-        self._feeding_held = False
-        self._handover = False  # the message being parsed is the ASGI app's
-        self._handover_scheduled = False
-        self._final = False  # an answer that ends the connection is queued: nothing more is read
-        self._linger = False  # ... and it leaves request bytes unread
-        self._closed = False
-        self._closing = False  # closed by us: the transport flushes, then connection_lost
+        self._parsed: PendingRequest | None = None  # ... once parsed whole, until it is submitted
+        self._held: bytes | None = None  # bytes kept unparsed (HOLDING, HOLD_RESUMING)
+        # Flow control, apart from the state: what the transport was last told (reading) and told us (writing).
         self._reading = True
         self._writing = True
         self.seen = False  # bytes arrived since the last sweep
         self.idle_s = 0.0
+
+    def _advance(self, event: Event) -> None:
+        self.state = advance(self.state, event)
 
     # ---- asyncio ----
     # No eof_received: a client that shuts its side has hung up, as far as HTTP goes (clients do not half-close),
@@ -84,15 +96,15 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.worker.nr_conns += 1
+        gunicorn_internals.connection_opened(self.worker)
         self.connections.open.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._closed:
+        if self.state is CLOSED:
             return
-        self._closed = True
+        self._advance(Event.LOST)
         self.connections.open.discard(self)
-        self.worker.nr_conns -= 1
+        gunicorn_internals.connection_closed(self.worker)
         for request in self.queue:  # the client hung up: what it still waits for leaves the broker's queue
             if request.req_id is not None:
                 self.route.client.cancel(request.req_id)
@@ -108,14 +120,14 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.seen = True
-        if self._linger or self._final:
-            return  # a request that will not be answered: dropped
-        if self._handover:  # bytes behind a request for the ASGI app, before the handover
-            self._raw.append(data)
-        elif self._held is not None:
-            self._held += data
-        else:
+        state = self.state
+        if state is READING:
             self._feed(data)
+        elif state is HOLDING or state is HOLD_RESUMING:
+            self._held += data
+        elif state is HANDING_OVER or state is HANDOVER_SCHEDULED:  # behind a request for the ASGI app
+            self._raw.append(data)
+        # else a request that will not be answered (FINAL, LINGER, closing): dropped
 
     def _feed(self, data: bytes) -> None:
         parser = self.parser
@@ -126,36 +138,37 @@ class FastHttpProtocol(asyncio.Protocol):
                 parser.feed(data)
             except Exception as exc:  # gunicorn_h1c's parse errors and limits (ValueErrors), or a bug of ours
                 return self._bad_request(exc)
-            if self._handover:
+            if self.state is HANDING_OVER:
                 if not self.queue:
                     self._hand_over()
                 else:
                     self._pause_reading()  # the answers before it go first
                 return
-            if not self._complete or self._final:
+            request = self._parsed
+            if request is None or self.state is not READING:  # not whole yet, or refused (413) on the way
                 return
-            request = self._current
-            self._complete = False
+            self._parsed = None
             self._current = None
             rest = parser.remaining()
             parser.reset()
             self._raw = []
             self._submit(request)
             if not request.keep_alive:
-                self._final = True  # the client said close: what follows is not read
-            if not rest or self._final or self._closed or self._closing:
+                self._advance(Event.LAST_REQUEST)  # the client said close: what follows is not read
+            if not rest or self.state is not READING:
                 return
             if len(self.queue) >= MAX_PIPELINED:
                 self._held = rest
+                self._advance(Event.HOLD)
                 self._pause_reading()
                 return
             data = rest
 
     def _feed_held(self) -> None:
-        self._feeding_held = False
-        held, self._held = self._held, None
-        if held is None or self._closed or self._closing:
+        if self.state is not HOLD_RESUMING:  # closed meanwhile
             return
+        self._advance(Event.FEED_HELD)
+        held, self._held = self._held, None
         self._feed(held)
         if len(self.queue) < MAX_PIPELINED // 2:
             self._resume_reading()
@@ -174,7 +187,7 @@ class FastHttpProtocol(asyncio.Protocol):
                 name = path[len(_PREFIX) : -len(_SUFFIX)].decode("latin-1")
                 handler = self.route.handlers.get(name)
         if handler is None:
-            self._handover = True
+            self._advance(Event.HANDOVER_REQUEST)
             return False
         self._raw = None
         request = self._current = PendingRequest(self, name, handler, parser.should_keep_alive)
@@ -203,14 +216,14 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def _on_complete(self) -> None:
         if self._current is not None:
-            self._complete = True
+            self._parsed = self._current
 
     # ---- requests ----
 
     def _too_large(self, request: PendingRequest) -> None:
         """Answer 413 at once; the rest of the body is never parsed, and the connection ends."""
         self._current = None
-        self._final = self._linger = True
+        self._advance(Event.REFUSED)
         self.queue.append(request)
         request.keep_alive = False
         message = f"body is over {self.route.max_body_bytes} bytes"
@@ -243,7 +256,7 @@ class FastHttpProtocol(asyncio.Protocol):
         else:
             log.error("fast HTTP path failed on a request", exc_info=exc)
             status, type_name, message = 500, "internal", f"{type(exc).__name__}: {exc}"
-        self._final = self._linger = True
+        self._advance(Event.REFUSED)
         request = PendingRequest(self, "", None, keep_alive=False)
         self.queue.append(request)
         request.deliver(error_response(status, type_name, message, connection=CLOSE))
@@ -251,15 +264,17 @@ class FastHttpProtocol(asyncio.Protocol):
     def write_answered(self) -> None:
         """Write every answered request at the head of the queue (answers leave in arrival order)."""
         queue = self.queue
-        if self._closed or self._closing or not queue or queue[0].out is None:
+        state = self.state
+        if state is CLOSING or state is LINGERING or state is CLOSED or not queue or queue[0].out is None:
             return
         transport = self.transport
         worker = self.worker
         while queue and queue[0].out is not None:
             request = queue.popleft()
             transport.write(request.out)
+            # gunicorn's --max-requests, on its worker's fields (gunicorn_internals.WORKER_FIELDS), inline: per request
             worker.nr += 1
-            if worker.nr >= worker.max_requests and worker.alive:  # gunicorn's --max-requests
+            if worker.nr >= worker.max_requests and worker.alive:
                 log.info("Autorestarting worker after current request.")
                 worker.alive = False
             if not request.keep_alive:
@@ -268,12 +283,12 @@ class FastHttpProtocol(asyncio.Protocol):
             if len(queue) < MAX_PIPELINED // 2:
                 self._resume_reading()
             return
-        if self._handover:
-            if not self._handover_scheduled:
-                # Not from inside the client's reply dispatch: gunicorn's protocol starts on the next turn.
-                self._handover_scheduled = True
-                self.loop.call_soon(self._hand_over)
-        else:
+        state = self.state
+        if state is HANDING_OVER:
+            # Not from inside the client's reply dispatch: gunicorn's protocol starts on the next turn.
+            self._advance(Event.ANSWERS_OUT)
+            self.loop.call_soon(self._hand_over)
+        elif state is not HANDOVER_SCHEDULED:
             current = self._current
             if current is not None and current.wants_continue:
                 current.wants_continue = False
@@ -284,45 +299,41 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         """Give the connection, with the unanswered request's bytes, to gunicorn's ASGI protocol."""
-        if self._closed or self._closing:
+        state = self.state
+        if state is CLOSING or state is LINGERING or state is CLOSED:
             return
         raw, self._raw = b"".join(self._raw or ()), None
-        self._closed = True
+        self._advance(Event.HANDED_OVER)
         self.connections.open.discard(self)
-        self.worker.nr_conns -= 1  # the ASGI protocol counts it again
-        transport = self.transport
+        gunicorn_internals.connection_closed(self.worker)  # the ASGI protocol counts it again
         if not self._reading:
-            transport.resume_reading()
-        protocol = ASGIProtocol(self.worker)
-        transport.set_protocol(protocol)
-        protocol.connection_made(transport)
-        if not self._writing:
-            protocol.pause_writing()  # the transport will say when to resume, to the new protocol
-        if raw:
-            protocol.data_received(raw)
+            self.transport.resume_reading()
+        gunicorn_internals.hand_over(self.worker, self.transport, raw, writing_paused=not self._writing)
 
     def _pause_reading(self) -> None:
-        if self._reading and not self._closed:
+        if self._reading and self.state is not CLOSED:
             self._reading = False
             self.transport.pause_reading()
 
     def _resume_reading(self) -> None:
-        if self._reading or not self._writing or self._closed or self._closing or self._handover or self._final:
+        if self._reading or not self._writing:
             return
-        if self._held is not None:
-            if not self._feeding_held:
-                self._feeding_held = True
-                self.loop.call_soon(self._feed_held)
-            return
-        self._reading = True
-        self.transport.resume_reading()
+        state = self.state
+        if state is READING:
+            self._reading = True
+            self.transport.resume_reading()
+        elif state is HOLDING:  # parsed first, on the next turn; reading resumes after, with room
+            self._advance(Event.RESUME_HELD)
+            self.loop.call_soon(self._feed_held)
+        # else handing over, a last answer queued, or closing: reading stays paused
 
     def _end(self) -> None:
         """Close after the last answer; with request bytes left unread, read and drop them a while first."""
-        self._closing = True
         transport = self.transport
-        if not self._linger or not transport.can_write_eof():
+        if self.state is not LINGER or not transport.can_write_eof():
+            self._advance(Event.CLOSE)
             return transport.close()  # connection_lost follows, once what was written is flushed
+        self._advance(Event.CLOSE_LINGERING)
         transport.write_eof()
         if not self._reading:
             self._reading = True
@@ -330,14 +341,15 @@ class FastHttpProtocol(asyncio.Protocol):
         self.loop.call_later(LINGER_S, transport.close)
 
     def abort(self) -> None:
-        self._closing = True
+        self._advance(Event.CLOSE)
         self.transport.abort()
 
     def sweep(self, interval_s: float, keepalive_s: float) -> None:
         """Close this connection if it has been idle past ``keepalive_s``. Not sooner when the worker stops:
         a client may be sending on it right now (closing would fail that request); a request that arrives
         then is answered with ``Connection: close``, as gunicorn's own protocol does."""
-        if self.queue or self._closed or self._closing:
+        state = self.state
+        if self.queue or state is CLOSING or state is LINGERING or state is CLOSED:
             return
         if self.seen:
             self.seen = False
@@ -356,9 +368,10 @@ class FastConnections:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.open: set[FastHttpProtocol] = set()
+        self.parser_limits = gunicorn_internals.parser_limits(worker)  # gunicorn's request limits
 
     async def sweep(self) -> None:
-        keepalive_s = float(self.worker.cfg.keepalive)
+        keepalive_s = gunicorn_internals.keepalive_s(self.worker)
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             DateHeader.refresh()

@@ -1,0 +1,171 @@
+"""Every part of gunicorn the fast HTTP path uses beyond its documented settings and server hooks, in one place:
+gunicorn's ``asgi`` worker class and two of its private methods, the module-level name it builds each
+connection's protocol with, its ASGI protocol (for the handover), and fields of its worker objects.
+
+gunicorn documents none of these: a release may move them. ``problems`` lists what the installed gunicorn lacks,
+each named with the attribute and gunicorn's version; a worker refuses to start on any (``require``), and
+tests/unit/test_gunicorn_internals.py fails on them, so an upgrade breaks loudly there and not silently in
+production (a patched name nobody looks up any more would leave every request on the slow path). pyproject.toml
+bounds gunicorn below its next major release.
+
+The per-request fields (``nr``, ``max_requests``, ``alive``, see WORKER_FIELDS) are read and written inline by
+``fast_http.py`` and ``fast_answers.py``: a function call here per request would cost more than the write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Coroutine
+from types import CodeType
+from typing import Any
+
+import gunicorn
+from gunicorn.asgi.protocol import ASGIProtocol
+from gunicorn.workers import gasgi
+
+VERSION = gunicorn.__version__
+
+# Fields of a booted asgi worker the fast path uses, and why.
+WORKER_FIELDS = {
+    "loop": "the worker's event loop (set by init_process)",
+    "cfg": "gunicorn's settings (keepalive, request limits)",
+    "asgi": "the loaded app (set by load_wsgi)",
+    "nr_conns": "open connections: graceful shutdown waits for them",
+    "nr": "requests answered, for --max-requests",
+    "max_requests": "--max-requests with its jitter (sys.maxsize when off)",
+    "alive": "False once the worker stops: answers then close their connection",
+}
+# Settings read off ``worker.cfg`` (documented settings, read here so that one place names them).
+CONFIG_FIELDS = ("keepalive", "limit_request_line", "limit_request_fields", "limit_request_field_size")
+# The ASGI protocol's side of a handover (asyncio.Protocol's methods, as gunicorn implements them).
+PROTOCOL_METHODS = ("connection_made", "data_received", "pause_writing", "resume_writing", "connection_lost")
+_PROTOCOL_NAME = "ASGIProtocol"  # gasgi's module-level name for it, looked up per connection
+
+
+class AsgiWorker(gasgi.ASGIWorker):
+    """gunicorn's asgi worker with two hooks: ``app_loaded`` once the app is built (after gunicorn's own
+    ``load_wsgi``), and ``background`` run as a task while the worker serves (around gunicorn's ``_serve``)."""
+
+    def app_loaded(self, app: Any) -> None:
+        pass
+
+    def background(self) -> Coroutine[Any, Any, None] | None:
+        return None
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        require(self)
+        self.app_loaded(self.asgi)
+
+    async def _serve(self) -> None:
+        work = self.background()
+        task = None if work is None else self.loop.create_task(work)
+        try:
+            await super()._serve()
+        finally:
+            if task is not None:
+                task.cancel()
+
+
+def install_protocol_factory(worker_class: type, factory: Callable[[Any], asyncio.Protocol]) -> None:
+    """Make ``factory(worker)`` the protocol of every connection a ``worker_class`` worker accepts.
+
+    gunicorn's asgi worker builds each connection's protocol as ``ASGIProtocol(worker)``, a name it looks up in
+    its module when a connection arrives; there is no setting for it. So that name is replaced: our workers get
+    ``factory``'s protocol, any other worker of this process gunicorn's own, as before."""
+    original = getattr(gasgi, _PROTOCOL_NAME)
+
+    def protocol_for(worker: Any) -> Any:
+        if isinstance(worker, worker_class):
+            return factory(worker)
+        return original(worker)
+
+    setattr(gasgi, _PROTOCOL_NAME, protocol_for)
+
+
+def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_paused: bool) -> asyncio.Protocol:
+    """Give a connection, with the bytes read and not answered yet, to gunicorn's ASGI protocol; the caller has
+    stopped counting it (``connection_closed``), and the protocol counts it again."""
+    protocol = ASGIProtocol(worker)
+    transport.set_protocol(protocol)
+    protocol.connection_made(transport)
+    if writing_paused:
+        protocol.pause_writing()  # the transport will say when to resume, to the new protocol
+    if raw:
+        protocol.data_received(raw)
+    return protocol
+
+
+def connection_opened(worker: Any) -> None:
+    worker.nr_conns += 1
+
+
+def connection_closed(worker: Any) -> None:
+    worker.nr_conns -= 1
+
+
+def keepalive_s(worker: Any) -> float:
+    return float(worker.cfg.keepalive)
+
+
+def parser_limits(worker: Any) -> dict[str, int]:
+    """gunicorn's request limits, as gunicorn_h1c's parser takes them."""
+    cfg = worker.cfg
+    return {
+        "limit_request_line": cfg.limit_request_line or (1 << 20),  # 0 = unlimited in gunicorn's terms
+        "limit_request_fields": cfg.limit_request_fields,
+        "limit_request_field_size": cfg.limit_request_field_size,
+    }
+
+
+# ---- the contract ----
+
+
+def _names_looked_up(code: CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):  # the lambda that builds the protocol
+            names |= _names_looked_up(const)
+    return names
+
+
+def class_problems() -> list[str]:
+    """What this module needs of gunicorn's classes and modules and the installed gunicorn lacks."""
+    found = []
+    base = gasgi.ASGIWorker
+    serve = getattr(base, "_serve", None)
+    if serve is None or not inspect.iscoroutinefunction(serve):
+        found.append("gunicorn.workers.gasgi.ASGIWorker._serve (a coroutine method: the worker's serve loop)")
+    elif _PROTOCOL_NAME not in _names_looked_up(serve.__code__):
+        found.append(
+            f"gunicorn.workers.gasgi.ASGIWorker._serve no longer builds connections with the module name "
+            f"{_PROTOCOL_NAME}: the fast path would never be installed"
+        )
+    if not hasattr(gasgi, _PROTOCOL_NAME):
+        found.append(f"gunicorn.workers.gasgi.{_PROTOCOL_NAME} (the name each connection's protocol is built with)")
+    if "load_wsgi" not in vars(base):
+        found.append("gunicorn.workers.gasgi.ASGIWorker.load_wsgi (where it sets worker.asgi)")
+    params = list(inspect.signature(ASGIProtocol).parameters)
+    if params != ["worker"]:
+        found.append(f"gunicorn.asgi.protocol.ASGIProtocol(worker): its parameters are now {params}")
+    found += [
+        f"gunicorn.asgi.protocol.ASGIProtocol.{name}" for name in PROTOCOL_METHODS if not hasattr(ASGIProtocol, name)
+    ]
+    return [f"gunicorn {VERSION}: {p}" for p in found]
+
+
+def worker_problems(worker: Any) -> list[str]:
+    """What this module needs of a booted asgi worker (after load_wsgi) and ``worker`` lacks."""
+    found = [f"worker.{name}: {why}" for name, why in WORKER_FIELDS.items() if not hasattr(worker, name)]
+    cfg = getattr(worker, "cfg", None)
+    if cfg is not None:
+        found += [f"worker.cfg.{name}" for name in CONFIG_FIELDS if not hasattr(cfg, name)]
+    return [f"gunicorn {VERSION}: {p}" for p in found]
+
+
+def require(worker: Any) -> None:
+    """Refuse to serve on a gunicorn whose internals moved (called by every worker once its app is loaded)."""
+    found = class_problems() + worker_problems(worker)
+    if found:
+        raise RuntimeError("zserve's fast HTTP path does not fit this gunicorn:\n  " + "\n  ".join(found))
