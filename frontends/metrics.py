@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from zserve.frontends import prometheus_internals
 from zserve.protocol import HealthReport
 
 REQUESTS = Counter("zserve_requests_total", "Predict requests answered, by model and HTTP code", ["model", "code"])
@@ -158,12 +159,11 @@ class ModelMetrics:
         self.batch_size = BATCH_SIZE.labels(model)
         self.latency = LATENCY.labels(model)
         for child in (self.batch_size, self.latency):  # what _Observations.write_to writes to
-            if not (hasattr(child, "_buckets") and hasattr(child, "_sum") and hasattr(child, "_upper_bounds")):
-                raise RuntimeError("this prometheus_client's Histogram has no _buckets/_sum/_upper_bounds")
+            prometheus_internals.require(child)
         self._codes: dict[int, Counter] = {}
         self._counts: dict[int, int] = {}
-        self._latency = _Observations(self.latency._upper_bounds)
-        self._batch_size = _Observations(self.batch_size._upper_bounds)
+        self._latency = _Observations(prometheus_internals.upper_bounds(self.latency))
+        self._batch_size = _Observations(prometheus_internals.upper_bounds(self.batch_size))
         self._flush_scheduled = False
 
     def answered(self, code: int, latency_s: float, batch_size: int = 0) -> None:
@@ -204,14 +204,11 @@ class _Observations:
 
     def write_to(self, child: Histogram) -> None:
         """What ``child.observe(v)`` for every value added would have written. Histogram has no public way
-        to add many observations, so this uses its bucket and sum values (checked in ModelMetrics)."""
+        to add many observations: prometheus_internals writes its bucket and sum values (checked in ModelMetrics)."""
         if not any(self.counts):
             return
-        child._sum.inc(self.total)
-        for i, n in enumerate(self.counts):
-            if n:
-                child._buckets[i].inc(n)
-                self.counts[i] = 0
+        prometheus_internals.add(child, self.counts, self.total)
+        self.counts = [0] * len(self.counts)
         self.total = 0.0
 
 
