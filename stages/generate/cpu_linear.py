@@ -11,6 +11,8 @@ and the plain weight is dropped, except where it is shared (a tied ``lm_head`` k
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -35,13 +37,26 @@ class PackedLinear(nn.Module):
 
 
 def available(model: nn.Module) -> bool:
-    """oneDNN is built in and the model's weights are on the CPU in a dtype it packs."""
+    """oneDNN is built in and the model's weights are on the CPU in a dtype this CPU can pack."""
     weight = next(model.parameters())
-    return (
-        torch.backends.mkldnn.is_available()
-        and weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-    )
+    return torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and packs(weight.dtype)
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders weights of ``dtype`` on this CPU.
+
+    bf16 needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on a CPU without them the reorder raises, so a bf16
+    model there keeps ``nn.Linear``. Asked of oneDNN itself with a small weight, not from CPU flags, so the
+    answer is the one the reorder gives.
+    """
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), _PACK_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack(model: nn.Module) -> int:

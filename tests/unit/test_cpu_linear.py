@@ -15,6 +15,8 @@ from zserve.stages.generate import cpu_linear
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_linear_computes_what_nn_linear_does(rows, bias, dtype):
+    if not cpu_linear.packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU (bf16 needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     x = torch.randn(1, rows, 96, dtype=dtype)
@@ -46,3 +48,16 @@ def test_prepack_replaces_every_linear_and_keeps_tied_embeddings():
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert model.model.embed_tokens.weight.shape == (128, 32)  # the embedding the lm_head shared is kept
+
+
+def test_a_model_in_a_dtype_this_cpu_cannot_pack_keeps_nn_linear():
+    """What ``available`` answers is what the reorder does: a model it accepts packs, one it refuses is left
+    alone by the engine (bf16 on a CPU without AVX-512, fp16 everywhere)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = nn.Sequential(nn.Linear(16, 16)).to(dtype)
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach(), 8)
+            reorders = dtype != torch.float16  # oneDNN may accept fp16 weights; the engine only packs fp32/bf16
+        except RuntimeError:
+            reorders = False
+        assert cpu_linear.available(model) == reorders, dtype
