@@ -26,7 +26,7 @@ Each thread count runs in a fresh child process (``OMP_NUM_THREADS``/``torch.set
 child, the candidates are interleaved within every repetition (in a rotating order), so background noise hits all
 alike; the figure is the median items/s over the repetitions, with the spread ((max - min) / median) alongside.
 
-    .venv/bin/python bench/embeddings/backends.py --threads 1,2 --repeats 7
+    .venv/bin/python -m bench.embeddings backends --threads 1,2 --repeats 7
 
 Needs ``onnxruntime``, ``onnx`` and ``onnxscript`` (the dynamo exporter) in the interpreter's environment; a
 candidate whose setup fails is reported with its error, and the rest still run.

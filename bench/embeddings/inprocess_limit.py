@@ -1,6 +1,6 @@
 """The in-process limit: zserve's embedding handler's forward (``predict``) on full batches, no serving around it.
 
-Run as its own process by run.py (``python bench/embeddings/inprocess_limit.py --model-dir D --workload W ...``), so
+Run as its own process by run.py (``python -m bench.embeddings.inprocess_limit --model-dir D --workload W ...``), so
 torch starts with the thread settings of an engine (OMP_NUM_THREADS etc. from the environment, then
 ``torch.set_num_threads``). Batches are formed from the workload the way the HTTP load draws it (the seeded random
 pick of the wrk script's list, ``--batch`` at a time), tokenized once beforehand; only the forward is timed.
@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[1:1] = [str(HERE.parent)]  # bench/: catalog, loadgen, measure
-
-import embed_model  # noqa: E402
-from measure import percentile  # noqa: E402
-from workload import SEED, texts  # noqa: E402
+from bench.common.measure import percentile
+from bench.embeddings import embed_model
+from bench.embeddings.workload import SEED, texts
 
 SAMPLE_BATCHES = 64  # batches formed from the mixed workload (the timed loop cycles over them)
 

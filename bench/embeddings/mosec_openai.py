@@ -3,7 +3,7 @@
 "embedding": [...]}], "model": NAME, "usage": {...}}``, so that the same wrk script drives zserve, infinity and mosec.
 
 One worker process (mosec spawns it) runs the handler's ``preprocess`` (tokenization) and ``predict`` on mosec's
-dynamic batches. Run by run.py as ``python bench/embeddings/mosec_openai.py --address 127.0.0.1 --port P --timeout MS
+dynamic batches. Run by run.py as ``python -m bench.embeddings.mosec_openai --address 127.0.0.1 --port P --timeout MS
 --capacity N`` (mosec's own command line); settings from the environment:
 
 * PEER_MODEL_DIR, PEER_MODEL_NAME: the model folder and the name requests must give;
@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from mosec import Server, ValidationError, Worker
 
-import embed_model
+from bench.embeddings import embed_model
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()

@@ -1,7 +1,7 @@
 """zserve against infinity-emb and mosec serving the same sentence-embedding model on CPU, and the model's own
 in-process limit (issue 24). One command, one run:
 
-    .venv-bench/bin/python bench/embeddings/run.py [--duration-s 10 --warmup-s 3 --concurrency 1,16,64]
+    .venv-bench/bin/python -m bench.embeddings [--duration-s 10 --warmup-s 3 --concurrency 1,16,64]
 
 Every HTTP target gets the same OpenAI-shaped body ``{"model": NAME, "input": "TEXT"}`` from the same wrk script
 (closed loop, ``wrk -t1 -cC``), at its own route: zserve ``POST /v1/embeddings``, infinity and mosec ``POST
@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[1:1] = [str(HERE.parent)]  # bench/: procs, loadgen, catalog, measure
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench.common.catalog import thread_env
+from bench.common.loadgen import LoadError, batch_size_totals, run_wrk, wrk_measurement, wrk_path, wrk_version
+from bench.common.paths import REPO, RESULTS, VENV_BIN, with_repo_path
+from bench.common.procs import Managed, ProcessError, free_port, http_status, stop_on_signals
+from bench.embeddings import workload as wl
 
-import workload as wl  # noqa: E402
-from bench_paths import REPO, RESULTS, VENV_BIN  # noqa: E402
-from catalog import thread_env  # noqa: E402
-from loadgen import LoadError, batch_size_totals, run_wrk, wrk_measurement, wrk_path, wrk_version  # noqa: E402
-from procs import Managed, ProcessError, free_port, http_status, stop_on_signals  # noqa: E402
+HERE = Path(__file__).resolve().parent  # infinity_launch.py runs by path in infinity's own virtualenv
 
 ZSERVE, INF_TORCH, INF_ONNX, MOSEC, INPROCESS = "zserve", "infinity-torch", "infinity-onnx", "mosec", "in-process"
 ZSERVE_ONNX, ZSERVE_BF16 = "zserve-onnx", "zserve-bf16"
@@ -233,9 +232,9 @@ def start_mosec(args: argparse.Namespace, run_dir: Path) -> Target:
         PEER_MAX_WAIT_MS=str(round(args.max_wait_ms)),
         PEER_STATS=str(stats),
     )
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent)])  # the spawned worker imports embed_model
+    env = with_repo_path(env)  # the spawned worker imports bench.embeddings.embed_model
     # --timeout: a queue of 64 long texts takes many seconds at 1 thread; --capacity: its queue, above any c here.
-    argv = [sys.executable, str(HERE / "mosec_openai.py"), "--address", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "bench.embeddings.mosec_openai", "--address", "127.0.0.1", "--port", str(port),
             "--timeout", "120000", "--capacity", "4096", "--log-level", "warning"]  # fmt: skip
     # mosec does not stop on SIGTERM in good time (bench/README.md): its process group is killed after 3 s.
     managed = Managed(MOSEC, argv, env=env, stop_timeout_s=3.0, echo=args.verbose, stop_signal=signal.SIGINT)
@@ -328,12 +327,13 @@ def run_inprocess(args: argparse.Namespace) -> list[dict[str, Any]]:
     variants = [v for v in ZSERVE_VARIANTS if v in args.targets] or [ZSERVE]
     for variant, workload in [(v, w) for v in variants for w in args.workloads]:
         for order in ("arrival", "sorted") if workload == wl.MIXED and variant == ZSERVE else ("arrival",):
-            cmd = [sys.executable, str(HERE / "inprocess_limit.py"), "--model-dir", str(args.model_dir),
+            cmd = [sys.executable, "-m", "bench.embeddings.inprocess_limit", "--model-dir", str(args.model_dir),
                    "--workload", workload, "--order", order, "--window", "64", "--batch", str(args.batch),
                    "--threads", str(args.threads), "--duration-s", str(args.duration_s)]  # fmt: skip
             for key, value in ZSERVE_VARIANTS[variant].items():
                 cmd += ["--option", f"{key}={value}"]
-            proc = subprocess.run(cmd, env=thread_env(args.threads), capture_output=True, text=True, check=False,
+            env = with_repo_path(thread_env(args.threads))
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
                                   timeout=args.duration_s * 4 + 600)  # fmt: skip
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode != 0 or not lines:
@@ -411,7 +411,7 @@ def versions(args: argparse.Namespace) -> dict[str, Any]:
     return found
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from zserve.models.embedding import bundled_minilm_path
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -429,7 +429,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--infinity-venv", type=Path, default=DEFAULT_INFINITY_VENV, help="(default: .venv-infinity)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default: bench/results/embeddings-DATE-TIME.json)")
     p.add_argument("--verbose", action="store_true", help="echo the servers' output")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.targets = [t for t in args.targets.split(",") if t]
@@ -456,8 +456,8 @@ def missing(target: str, args: argparse.Namespace) -> str | None:
     return None
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     stop_on_signals()
     if wrk_path() is None:
         print("bench: wrk is not installed (apt-get install -y wrk)", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The two workloads, as request texts and as a wrk Lua script that picks a body per request.
 
-* ``short``: one fixed 16-word sentence (bench/catalog.py's ``SENTENCE``), every request the same;
+* ``short``: one fixed 16-word sentence (bench/common/catalog.py's ``SENTENCE``), every request the same;
 * ``mixed``: a seeded list of ``MIXED_SIZE`` texts, 80% of 10-30 tokens and 20% of 200-400 tokens (counted with
   the model's own tokenizer, special tokens excluded). The Lua script picks one at random per request with a fixed
   seed, so every target sees the same distribution. The model truncates at its ``max_seq_length`` (256 for
@@ -17,8 +17,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from catalog import SENTENCE
-from loadgen import _LUA, _MARK
+from bench.common.catalog import SENTENCE
+from bench.common.loadgen import _LUA, _MARK
 
 SHORT, MIXED = "short", "mixed"
 WORKLOADS = (SHORT, MIXED)

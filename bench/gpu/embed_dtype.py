@@ -2,8 +2,8 @@
 forward alone (issue 24's GPU check). Random weights from a real config (BGE-base: BERT, 768 wide, 12 layers),
 wrapped in a sentence-transformers stack (CLS pooling + Normalize), no download, a few minutes.
 
-    python bench/gpu/embed_dtype.py                      # cuda, batches 32 and 128 of 32 and 256 tokens
-    python bench/gpu/embed_dtype.py --device cpu --batch 8 --seq 32 --iters 3  # a smoke run anywhere
+    python -m bench.gpu.embed_dtype                      # cuda, batches 32 and 128 of 32 and 256 tokens
+    python -m bench.gpu.embed_dtype --device cpu --batch 8 --seq 32 --iters 3  # a smoke run anywhere
 
 Per dtype and shape: items/s of (a) the transformers model's forward alone on device tensors, (b) the
 sentence-transformers stack's forward on device tensors, (c) zserve's engine path: numpy arrays in (as they

@@ -11,8 +11,8 @@ real configs (nothing downloaded) and our Llama-family model code (stages/genera
 3. per decode step (batch 8): kernels launched and host syncs (``cuda*Synchronize`` calls), from the profiler.
 CUDA graphs: not built yet (the JSON says so), so every step is eager.
 
-    python bench/gpu/gen_check.py --out bench/results/issue25-gen-gpu.json   # on the lent machine
-    python bench/gpu/gen_check.py --dry                                       # CPU, tiny shapes, seconds
+    python -m bench.gpu.gen_check --out bench/results/issue25-gen-gpu.json   # on the lent machine
+    python -m bench.gpu.gen_check --dry                                       # CPU, tiny shapes, seconds
 
 ``--dry`` runs every part on the CPU at tiny sizes (the CPU suite runs it, so that the script cannot rot).
 It needs torch, transformers and zserve's importable tree (the repo root on sys.path is enough: zserve's
@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parents[2]
 def _import_zserve() -> None:
     """zserve's stages/, broker/, frontends/ are its subpackages by pyproject's package-dir mapping: without an
     install, map them by path."""
-    sys.path.insert(0, str(REPO))
     import zserve
 
     if str(REPO) not in zserve.__path__:

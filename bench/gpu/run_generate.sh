@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The generation benchmark (bench/generate.py) on a CUDA GPU, then the decode step time against the
-# memory-bandwidth bound (bench/gen_decode_bound.py). See bench/gpu/README.md.
+# The generation benchmark (bench/generation/compare.py) on a CUDA GPU, then the decode step time against the
+# memory-bandwidth bound (bench/generation/decode_bound.py). See bench/gpu/README.md.
 #
 #   bench/gpu/run_generate.sh                          # SmolLM2-135M, bf16, c1,8,32,64, H200 bandwidth
 #   MODEL=/path/to/hf-folder BANDWIDTH_GBS=3350 bench/gpu/run_generate.sh --legs zserve,static
 #
-# Extra arguments go to bench/generate.py.
+# Extra arguments go to bench/generation/compare.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -28,10 +28,10 @@ p = torch.cuda.get_device_properties(0)
 print(f"GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
 
-"$PY" bench/generate.py --device "$DEVICE" --dtype bfloat16 --model "$MODEL" --threads "$THREADS" \
+"$PY" -m bench.generation --device "$DEVICE" --dtype bfloat16 --model "$MODEL" --threads "$THREADS" \
     --concurrency "$CONCURRENCY" --requests-per-caller "$REQUESTS" --max-batched-tokens 2048 \
     --out "$OUT/issue4-generate-gpu.json" "$@" || status=$?
 
-"$PY" bench/gen_decode_bound.py --device "$DEVICE" --dtype bfloat16 --model "$MODEL" --threads "$THREADS" \
+"$PY" -m bench.generation decode-bound --device "$DEVICE" --dtype bfloat16 --model "$MODEL" --threads "$THREADS" \
     --batch "$CONCURRENCY" --bandwidth-gbs "$BANDWIDTH_GBS" --out "$OUT/issue4-decode-bound-gpu.json"
 exit "${status:-0}"

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hops
-import targets
-from measure import BROKER, BROKER_ALONE, DIRECT, HTTP, INPROCESS, MOSEC, NAIVE, STREAMER, Measurement, add_ratios
-from procs import role_of
+from bench.common.measure import (
+    BROKER,
+    BROKER_ALONE,
+    DIRECT,
+    HTTP,
+    INPROCESS,
+    MOSEC,
+    NAIVE,
+    STREAMER,
+    Measurement,
+    add_ratios,
+)
+from bench.common.procs import role_of
+from bench.serving import hops, targets
 
 
 def row(scenario: str, model: str, c: int | None, qps: float, p50: float = 1.0, p99: float = 2.0) -> Measurement:
@@ -81,6 +91,6 @@ def test_roles_of_zserve_and_peer_processes() -> None:
     assert role_of(["python", "-m", "zserve.stages.engine", "--name", "engine-minilm-0"]) == "engine-minilm"
     assert role_of(["python", "-m", "zserve.stages.preprocess", "--name", "stage-minilm-0"]) == "stage-minilm"
     assert role_of(["/venv/bin/mosec", "/tmp/mosec_x/config.json"]) == "mosec"
-    assert role_of(["python", "bench/peer_mosec.py", "--port", "1"]) == "mosec-main"
-    assert role_of(["python", "bench/peer_streamer.py", "--port", "1"]) == "web"
+    assert role_of(["python", "-m", "bench.serving.peer_mosec", "--port", "1"]) == "mosec-main"
+    assert role_of(["python", "-m", "bench.serving.peer_streamer", "--port", "1"]) == "web"
     assert role_of(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"]) == "worker"

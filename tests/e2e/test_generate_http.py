@@ -16,7 +16,7 @@ import pytest
 from tinylm import build_tiny_lm
 
 import zserve
-from bench import mii_rest_client  # bench is a package at the repo root (pytest's pythonpath = ["."])
+from bench.generation import mii_rest_client  # bench is a package at the repo root (pytest's pythonpath = ["."])
 from zserve.stages.generate import grammar
 
 

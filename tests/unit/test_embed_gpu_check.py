@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_embedding_gpu_check_runs_dry_on_the_cpu(tmp_path):
     out = tmp_path / "embed.json"
-    command = [sys.executable, str(REPO / "bench" / "gpu" / "embed_dtype.py"), "--device", "cpu", "--small",
+    command = [sys.executable, "-m", "bench.gpu.embed_dtype", "--device", "cpu", "--small",
                "--batch", "2", "--seq", "8", "--iters", "1", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["path"] == "zserve" for r in rows)

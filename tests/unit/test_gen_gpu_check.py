@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     out = tmp_path / "gen_check.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu" / "gen_check.py"), "--dry", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "bench.gpu.gen_check", "--dry", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())

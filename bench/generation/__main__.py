@@ -1,0 +1,15 @@
+"""``python -m bench.generation``: the generation suite (bench/README.md)."""
+
+import sys
+
+from bench.common.cli import Scenario, dispatch
+
+SCENARIOS = {
+    "compare": Scenario("bench.generation.compare", "zserve against static batching and one request at a time"),
+    "vllm": Scenario("bench.generation.vs_vllm", "zserve against vLLM's CPU build, one OpenAI streaming client"),
+    "prefix": Scenario("bench.generation.prefix", "requests sharing a long system prompt, prefix caching off and on"),
+    "decode-bound": Scenario("bench.generation.decode_bound", "the decode step against the memory-bandwidth bound"),
+}
+
+if __name__ == "__main__":
+    sys.exit(dispatch("generation", SCENARIOS))
