@@ -39,10 +39,10 @@ test-all: install
 	ZSERVE_SLOW=1 $(PY) -m pytest -q -ra
 
 bench: install
-	$(PY) bench/run.py
+	$(PY) -m bench.serving
 
 # The peers' benchmark environment (mosec, service-streamer, matplotlib, py-spy): a virtualenv of its own, so that
-# no peer ever lands in .venv. Run the peer comparison with `$(BENCH_VENV)/bin/python bench/run.py` (bench/README.md).
+# no peer ever lands in .venv. Run the peer comparison with `$(BENCH_VENV)/bin/python -m bench.serving` (bench/README.md).
 BENCH_VENV ?= .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.bench-installed
 
@@ -71,7 +71,7 @@ bench-infinity-env: $(INFINITY_STAMP)
 
 # zserve (torch, onnx, bf16) against infinity-emb and mosec on MiniLM: bench/embeddings/README.md
 bench-embeddings: bench-env bench-infinity-env
-	$(BENCH_VENV)/bin/python bench/embeddings/run.py
+	$(BENCH_VENV)/bin/python -m bench.embeddings
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

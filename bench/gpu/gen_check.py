@@ -15,7 +15,7 @@ CUDA graphs: not built yet (the JSON says so), so every step is eager.
     python -m bench.gpu.gen_check --dry                                       # CPU, tiny shapes, seconds
 
 ``--dry`` runs every part on the CPU at tiny sizes (the CPU suite runs it, so that the script cannot rot).
-It needs torch, transformers and zserve's importable tree (the repo root on sys.path is enough: zserve's
+It needs torch, transformers and zserve's importable tree (``python -m`` from the repo root is enough: zserve's
 subpackages are mapped here when it is not installed), plus zserve's pure-Python dependencies.
 """
 
