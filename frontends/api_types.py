@@ -96,9 +96,8 @@ class StreamOptions(msgspec.Struct):
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
-    does. Refused unless neutral (400 naming the field): best_of other than n, suffix; echo with logprobs
-    (prompt logprobs are not computed). ``n`` is at most the engine's running slots; ``logprobs`` and
-    ``top_logprobs`` at most 20."""
+    does. Refused unless neutral (400 naming the field): best_of other than n, suffix. ``n`` is at most the
+    engine's running slots; ``logprobs`` and ``top_logprobs`` at most 20."""
 
     model: str
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -203,11 +202,12 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     """The legacy completions shape: per generated token its text, logprob, the top alternatives by text,
-    and where it starts in the choice's text."""
+    and where it starts in the choice's text. With ``echo`` the prompt's tokens come first, the first of
+    them with null logprob and alternatives (nothing predicts it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

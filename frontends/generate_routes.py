@@ -365,9 +365,9 @@ class CompletionsResource(_OpenAIRoute):
         sampling = _openai_sampling(body, 16, _max_running(model))  # 16: OpenAI's default for completions
         logprobs = body.get("logprobs")
         if logprobs is not None and logprobs is not False:
-            if body.get("echo"):
-                raise BadRequest("echo with logprobs (the prompt's logprobs) is not supported", field="echo")
             sampling["logprobs"] = _logprobs(logprobs, "logprobs")
+            if body.get("echo"):  # the prompt's tokens are reported too, as OpenAI's legacy API did
+                sampling["prompt_logprobs"] = sampling["logprobs"]
         return [decode_item(model, {"prompt": p, **sampling}) for p in prompts]
 
     def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
@@ -518,17 +518,23 @@ def _chat_logprobs(response: GenerateResponse) -> ChatLogprobs | None:
 
 
 def _completion_logprobs(response: GenerateResponse, offset: int) -> CompletionLogprobs:
-    tokens, offsets = [], []
+    """The choice's logprobs; its generated text starts at ``offset`` of the choice's text (after the echoed
+    prompt, whose tokens come first when the response has their logprobs)."""
+    out = CompletionLogprobs([], [], [], [])
+    prompt_offset = 0
+    for p in response.prompt_logprobs or []:
+        out.tokens.append(p.token)
+        out.token_logprobs.append(p.logprob)
+        out.top_logprobs.append(None if p.logprob is None else {a.token: a.logprob for a in p.top_logprobs})
+        out.text_offset.append(prompt_offset)
+        prompt_offset += len(p.token)
     for t in response.logprobs or []:
-        tokens.append(t.token)
-        offsets.append(offset)
+        out.tokens.append(t.token)
+        out.token_logprobs.append(t.logprob)
+        out.top_logprobs.append({a.token: a.logprob for a in t.top_logprobs})
+        out.text_offset.append(offset)
         offset += len(t.token)
-    return CompletionLogprobs(
-        tokens,
-        [t.logprob for t in response.logprobs or []],
-        [{a.token: a.logprob for a in t.top_logprobs} for t in response.logprobs or []],
-        offsets,
-    )
+    return out
 
 
 class MiiResource(_GenerateRoute):

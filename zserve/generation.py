@@ -49,6 +49,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}  # token id (as a string) -> bias
     # the sampled tokens' log-probabilities under the model, each with the `logprobs` most likely tokens'
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # the prompt tokens' log-probabilities (each given the tokens before it), each with the `prompt_logprobs`
+    # most likely tokens' (vLLM's extension; completions' echo with logprobs). Such a prompt is computed whole,
+    # never taken from the prefix cache.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # structured output: any JSON object, or a JSON value matching this JSON schema (JSON text)
     json_object: bool = False
     json_schema: str | None = None
@@ -73,6 +77,15 @@ class TokenLogprob(msgspec.Struct):
     top_logprobs: list[TopLogprob]
 
 
+class PromptLogprob(msgspec.Struct):
+    """A prompt token (its text alone), its log-probability given the tokens before it (None for the first
+    token: nothing predicts it), and the most likely tokens at its place."""
+
+    token: str
+    logprob: float | None
+    top_logprobs: list[TopLogprob]
+
+
 class GenerateResponse(msgspec.Struct, omit_defaults=True):
     """A generative model's answer to one prompt (the fields DeepSpeed-MII's responses have, and
     ``logprobs`` when the request asked)."""
@@ -82,6 +95,7 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     prompt_length: int
     finish_reason: str  # "stop" (eos, a stop id or string) | "length" (max_new_tokens / max_length)
     logprobs: list[TokenLogprob] | None = None  # one per generated token
+    prompt_logprobs: list[PromptLogprob] | None = None  # one per prompt token, when asked
 
 
 def _field_of(exc: msgspec.ValidationError) -> str:

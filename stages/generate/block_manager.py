@@ -43,6 +43,7 @@ class SeqBlocks:
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full block of token_ids, so far
     num_computed_blocks: int = 0  # leading blocks marked computed by this sequence
     num_synced: int = 0  # leading blocks the engine has copied into its slot tables (reset by free)
+    reuse_prefix: bool = True  # False: computed whole, never from cached blocks (its own still become shareable)
 
 
 class BlockManager:
@@ -79,7 +80,10 @@ class BlockManager:
         """(leading blocks of ``seq`` whose KV is cached now, whether the next one is being computed by a
         running sequence: wait for it rather than compute it twice)."""
         ready = 0
-        for h in self._shareable(seq):
+        shareable = self._shareable(seq)  # also the hashes allocate seals this sequence's blocks with
+        if not seq.reuse_prefix:
+            return 0, False
+        for h in shareable:
             block_id = self.by_hash.get(h)
             if block_id is None:
                 return ready, False

@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from zserve.errors import BadRequest
-from zserve.generation import GenerateRequest, GenerateResponse, TokenLogprob, TopLogprob
+from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, TokenLogprob, TopLogprob
 from zserve.stages.generate import cpu_linear, grammar
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
@@ -184,6 +184,7 @@ class GenerativeEngine:
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
             logit_bias=self._logit_bias(request.logit_bias),
             logprobs=-1 if request.logprobs is None else request.logprobs, grammar=self._grammar(request),
+            prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
         )  # fmt: skip
         return PreparedPrompt(ids, params, list(request.stop))
 
@@ -213,6 +214,15 @@ class GenerativeEngine:
         text = self._token_text
         return TokenLogprob(text(token_id), logprobs.logprob, [TopLogprob(text(t), lp) for t, lp in logprobs.top])
 
+    def prompt_token_logprobs(self, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> list[PromptLogprob]:
+        """A prompt's logprobs with token strings: its first token has none (nothing predicts it), token p + 1
+        has ``logprobs[p]``."""
+        text = self._token_text
+        out = [PromptLogprob(text(prompt_ids[0]), None, [])]
+        for token_id, lp in zip(prompt_ids[1:], logprobs, strict=True):
+            out.append(PromptLogprob(text(token_id), lp.logprob, [TopLogprob(text(t), v) for t, v in lp.top]))
+        return out
+
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
@@ -232,6 +242,7 @@ class GenerativeEngine:
         streams = [self.text_stream(p) for p in prepared]
         lengths = [0] * len(prepared)
         logprobs: list[list[TokenLogprob]] = [[] for _ in prepared]
+        prompt_logprobs: list[list[PromptLogprob] | None] = [None] * len(prepared)
         reasons: dict[int, str] = {}
         for i, p in enumerate(prepared):
             self.core.add(i, p.prompt_ids, p.params)
@@ -244,6 +255,8 @@ class GenerativeEngine:
                     lengths[i] += 1
                     if out.logprobs is not None:
                         logprobs[i].append(self.token_logprob(out.token_id, out.logprobs))
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[i] = self.prompt_token_logprobs(prepared[i].prompt_ids, out.prompt_logprobs)
                     delta, reason = streams[i].advance(out.token_id, out.finish_reason)
                     if streams[i].stopped:
                         self.core.abort(i)
@@ -254,10 +267,11 @@ class GenerativeEngine:
         finally:
             for i in range(len(prepared)):  # an exception (or a callback's) leaves nothing behind
                 self.core.abort(i)
-        return [
-            GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i], logprobs[i] if p.params.logprobs >= 0 else None)
-            for i, (s, n, p) in enumerate(zip(streams, lengths, prepared, strict=True))
-        ]
+        responses = []
+        for i, (s, n, p) in enumerate(zip(streams, lengths, prepared, strict=True)):
+            asked = logprobs[i] if p.params.logprobs >= 0 else None
+            responses.append(GenerateResponse(s.text, n, len(p.prompt_ids), reasons[i], asked, prompt_logprobs[i]))
+        return responses
 
 
 def step_peak_bytes(model: Any, options: EngineOptions) -> int:

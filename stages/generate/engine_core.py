@@ -22,7 +22,7 @@ from zserve.stages.generate import grammar
 from zserve.stages.generate.attention import PagedKVCache, StepMeta, Uploader
 from zserve.stages.generate.block_manager import BlockManager
 from zserve.stages.generate.llama import LlamaFamily
-from zserve.stages.generate.sampler import Sampler, TokenLogprobs
+from zserve.stages.generate.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from zserve.stages.generate.scheduler import Chunk, StepScheduler
 from zserve.stages.generate.sequence import SamplingParams, Sequence
 
@@ -38,6 +38,8 @@ class TokenOutput:
     token_id: int
     finish_reason: str | None  # None while running; "stop" | "length"
     logprobs: TokenLogprobs | None = None  # when the sequence's params ask for them
+    # with a sequence's first token, when its params ask: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -152,10 +154,11 @@ class EngineCore:
             seq.slots[j * bs : (j + 1) * bs] = self._block_slots + table[j] * bs
         seq.kv.num_synced = len(table)
 
-    def _meta(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int]]:
+    def _meta(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int], _PromptRows]:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         writes, tables, slot_rows, lengths, starts, sample_rows = [], [], [], [], [0], []
+        prompt_rows = _PromptRows()
         for c in chunks:
             seq = c.seq
             self._sync(seq)
@@ -168,9 +171,11 @@ class EngineCore:
             starts.append(starts[-1] + c.end - c.start)
             if c.samples:
                 sample_rows.append(starts[-1] - 1)
+            if seq.prompt_logprobs_todo:
+                prompt_rows.add(seq, c.start, c.end, starts[-2])
         num_decodes = sum(1 for c in chunks if c.end - c.start == 1 and c.start > 0)
         meta = StepMeta(self.blocks.block_size, torch.cat(writes), starts, lengths, num_decodes, tables, slot_rows)
-        return torch.tensor([ids]), torch.cat(positions).unsqueeze(0), meta, sample_rows
+        return torch.tensor([ids]), torch.cat(positions).unsqueeze(0), meta, sample_rows, prompt_rows
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
@@ -179,15 +184,19 @@ class EngineCore:
             return []
         # decodes first (the layout paged kernels take); order within each group is kept
         chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
-        ids, positions, meta, sample_rows = self._meta(chunks)
+        ids, positions, meta, sample_rows, prompt_rows = self._meta(chunks)
+        rows = sample_rows + prompt_rows.rows
         if self.tensor_parallel is not None:
             logits = self.tensor_parallel.forward(
-                self.model, ids, positions, meta, sample_rows, self.batched_decode, self.upload
+                self.model, ids, positions, meta, rows, self.batched_decode, self.upload
             )
         else:
             logits = forward(
-                self.model, ids, positions, meta, sample_rows, batched_decode=self.batched_decode, upload=self.upload
+                self.model, ids, positions, meta, rows, batched_decode=self.batched_decode, upload=self.upload
             )
+        if prompt_rows.rows:
+            prompt_rows.collect(prompt_logprobs(logits[len(sample_rows) :], prompt_rows.targets, prompt_rows.top))
+            logits = logits[: len(sample_rows)]
         stats = self._stats
         stats.steps += 1
         stats.batch_tokens = ids.shape[1]
@@ -213,8 +222,38 @@ class EngineCore:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 del self.sequences[seq.seq_id]
-            outputs.append(TokenOutput(seq.seq_id, token, reason, token_logprobs))
+            first = seq.params.prompt_logprobs >= 0 and seq.num_generated == 1
+            outputs.append(
+                TokenOutput(seq.seq_id, token, reason, token_logprobs, seq.prompt_logprobs if first else None)
+            )
         return outputs
+
+
+class _PromptRows:
+    """The step's rows whose logits give prompt logprobs: row r predicts prompt token ``targets[r]``."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # in the packed step
+        self.targets: list[int] = []
+        self.top: list[int] = []  # each row's k
+        self.owners: list[tuple[Sequence, int]] = []  # (sequence, how many of the rows, in order)
+
+    def add(self, seq: Sequence, start: int, end: int, first_row: int) -> None:
+        """Positions [start, end) of ``seq`` are computed this step: the ones not yet done predict a prompt
+        token (position p, token p + 1; a recomputed chunk after a preemption adds nothing twice)."""
+        lo, hi = max(start, len(seq.prompt_logprobs)), min(end, seq.prompt_len - 1)
+        if lo >= hi:
+            return
+        self.rows += range(first_row + lo - start, first_row + hi - start)
+        self.targets += seq.tokens[lo + 1 : hi + 1]
+        self.top += [seq.params.prompt_logprobs] * (hi - lo)
+        self.owners.append((seq, hi - lo))
+
+    def collect(self, logprobs: list[TokenLogprobs]) -> None:
+        at = 0
+        for seq, n in self.owners:
+            seq.prompt_logprobs += logprobs[at : at + n]
+            at += n
 
 
 def paged_cache_for(

@@ -30,10 +30,11 @@ import zmq
 
 from zserve import payload
 from zserve.frames import pack
-from zserve.generation import GenerateResponse, TokenLogprob, parse_generate_request
+from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.generate.detokenize import TextStream
 from zserve.stages.generate.engine import PreparedPrompt, engine_of
+from zserve.stages.generate.engine_core import TokenOutput
 from zserve.stages.items import Failure
 from zserve.stages.runtime import WorkerLink, enter_compute_thread
 from zserve.transport import make_socket
@@ -80,6 +81,8 @@ class _Output:
     prompt_length: int
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
+    prompt_ids: list[int] | None = None  # when the request asked for prompt logprobs
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +201,7 @@ class GenerationRunner:
                 continue
             step = _StepReport.of((time.perf_counter() - started) * 1000.0, core)
             self.link.free_kv_blocks = core.free_blocks
-            self.outbox.put(("step", [(o.seq_id, o.token_id, o.finish_reason, o.logprobs) for o in outputs], step))
+            self.outbox.put(("step", outputs, step))
 
     # ---- the output thread ----
 
@@ -226,10 +229,12 @@ class GenerationRunner:
                     elif kind == "start":
                         a: Admitted = extra
                         text = self.engine.text_stream(a.prompt)
-                        logprobs = [] if a.prompt.params.logprobs >= 0 else None
+                        params = a.prompt.params
                         sequences[batch_id_or_tokens] = _Output(
-                            a.stream, a.decoded, text, len(a.prompt.prompt_ids), logprobs=logprobs
-                        )
+                            a.stream, a.decoded, text, len(a.prompt.prompt_ids),
+                            logprobs=[] if params.logprobs >= 0 else None,
+                            prompt_ids=a.prompt.prompt_ids if params.prompt_logprobs >= 0 else None,
+                        )  # fmt: skip
                     elif kind == "drop":
                         sequences.pop(batch_id_or_tokens, None)
                     elif kind == "fail":
@@ -246,16 +251,17 @@ class GenerationRunner:
         finally:
             push.close(linger=2000)
 
-    def _tokens(
-        self, tokens: list[tuple[int, int, str | None, Any]], sequences: dict[int, _Output], entries: dict[int, _Entry]
-    ) -> None:
-        for batch_id, token_id, reason, logprobs in tokens:
+    def _tokens(self, tokens: list[TokenOutput], sequences: dict[int, _Output], entries: dict[int, _Entry]) -> None:
+        for out in tokens:
+            batch_id, token_id, reason = out.seq_id, out.token_id, out.finish_reason
             seq = sequences.get(batch_id)
             if seq is None:
                 continue  # aborted, or stopped by a stop string a step ago
             seq.num_tokens += 1
-            if seq.logprobs is not None and logprobs is not None:
-                seq.logprobs.append(self.engine.token_logprob(token_id, logprobs))
+            if seq.logprobs is not None and out.logprobs is not None:
+                seq.logprobs.append(self.engine.token_logprob(token_id, out.logprobs))
+            if seq.prompt_ids is not None and out.prompt_logprobs is not None:
+                seq.prompt_logprobs = self.engine.prompt_token_logprobs(seq.prompt_ids, out.prompt_logprobs)
             delta, reason = seq.text.advance(token_id, reason)
             if seq.text.stopped:
                 self.inbox.put(("abort", [batch_id]))
@@ -266,7 +272,9 @@ class GenerationRunner:
             if reason:
                 del sequences[batch_id]
                 entry.finished = True
-                response = GenerateResponse(seq.text.text, seq.num_tokens, seq.prompt_length, reason, seq.logprobs)
+                response = GenerateResponse(
+                    seq.text.text, seq.num_tokens, seq.prompt_length, reason, seq.logprobs, seq.prompt_logprobs
+                )
                 try:
                     body = msgspec.to_builtins(response) if seq.decoded else self.model.encode_response(response)
                     entry.frames = payload.encode(body)

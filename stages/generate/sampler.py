@@ -122,19 +122,11 @@ class Sampler:
         """The tokens, and for the ``wanted`` rows (``raw``: their log-softmax) the chosen token's logprob and the
         top k, all in one copy to the host."""
         rows = _index(wanted, tokens.device)
-        chosen = raw.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
-        k = max(seqs[i].params.logprobs for i in wanted)
-        top_values, top_ids = torch.topk(raw, k, -1) if k else (raw[:, :0], raw[:, :0])
-        n, w = len(tokens), len(wanted)
-        flat = torch.cat([tokens.double(), chosen.double(), top_values.double().flatten(), top_ids.double().flatten()])
-        host = flat.tolist()
-        out_tokens = [int(t) for t in host[:n]]
-        values, ids = host[n + w : n + w + w * k], host[n + w + w * k :]
-        logprobs: list[TokenLogprobs | None] = [None] * n
-        for j, i in enumerate(wanted):
-            top = seqs[i].params.logprobs
-            logprobs[i] = TokenLogprobs(host[n + j], [(int(ids[j * k + r]), values[j * k + r]) for r in range(top)])
-        return Sampled(out_tokens, logprobs)
+        host, found = _logprobs_to_host(raw, tokens[rows], [seqs[i].params.logprobs for i in wanted], tokens)
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        for i, row in zip(wanted, found, strict=True):
+            logprobs[i] = row
+        return Sampled([int(t) for t in host], logprobs)
 
     def _bias(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         """``logit_bias``: every biased row's additions in one ``index_put_``."""
@@ -241,6 +233,32 @@ class Sampler:
         log_z = torch.logsumexp(values, -1, keepdim=True)
         out[active] = _nucleus_of_candidates(values, ids, log_z, p[active], u, x[active])
         return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits`` the log-probability of its ``targets`` token and its ``top`` most likely tokens'
+    (prompt logprobs: a prompt position's logits and the prompt's next token), in one copy to the host."""
+    raw = torch.log_softmax(logits.float(), -1)
+    return _logprobs_to_host(raw, _index(targets, raw.device), top)[1]
+
+
+def _logprobs_to_host(
+    raw: torch.Tensor, chosen_ids: torch.Tensor, top: list[int], head: torch.Tensor | None = None
+) -> tuple[list[float], list[TokenLogprobs]]:
+    """Row r of ``raw`` (log-softmax): the logprob of token ``chosen_ids[r]`` and the ``top[r]`` best, with
+    ``head`` (the step's sampled ids) in the same single copy: (head's values, one TokenLogprobs per row)."""
+    chosen = raw.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    k = max(top)
+    top_values, top_ids = torch.topk(raw, k, -1) if k else (raw[:, :0], raw[:, :0])
+    parts = [chosen.double(), top_values.double().flatten(), top_ids.double().flatten()]
+    host = torch.cat(parts if head is None else [head.double(), *parts]).tolist()  # token ids are exact in float64
+    n = 0 if head is None else len(head)
+    w = len(top)
+    values, ids = host[n + w : n + w + w * k], host[n + w + w * k :]
+    rows = [
+        TokenLogprobs(host[n + j], [(int(ids[j * k + r]), values[j * k + r]) for r in range(top[j])]) for j in range(w)
+    ]
+    return host[:n], rows
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

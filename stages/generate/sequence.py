@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; logits of seen tokens: positive / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's log-probability and the k most likely
+    prompt_logprobs: int = -1  # likewise for each prompt token after the first (its prefix is then not shared)
     grammar: Any = None  # an xgrammar CompiledGrammar the output must follow (grammar.py)
 
     @property
@@ -53,10 +54,18 @@ class Sequence:
     slots: torch.Tensor | None = None
     table: torch.Tensor | None = None
     matcher: Any = None  # the grammar's state after the generated tokens (params.grammar's GrammarMatcher)
+    # params.prompt_logprobs >= 0: entry p for prompt token p + 1, filled as the prompt's chunks are computed
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
-        self.kv = SeqBlocks(self.seq_id, self.tokens)  # shares the token list
+        # shares the token list; a prompt whose logprobs are asked is computed whole (no cached prefix)
+        self.kv = SeqBlocks(self.seq_id, self.tokens, reuse_prefix=self.params.prompt_logprobs < 0)
+
+    @property
+    def prompt_logprobs_todo(self) -> bool:
+        """Prompt positions whose logprobs are still to be computed."""
+        return self.params.prompt_logprobs >= 0 and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def num_generated(self) -> int:

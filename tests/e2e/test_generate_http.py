@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import openai
 import pydantic
 import pytest
+import torch
 from tinylm import build_tiny_lm
 
 import zserve
@@ -21,9 +22,13 @@ from zserve.stages.generate import grammar
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
-    options = {"path": str(path), "block_size": 8, "num_blocks": 256, "max_running": 8, "max_new_tokens": 16}
+def tiny_path(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_path):
+    options = {"path": str(tiny_path), "block_size": 8, "num_blocks": 256, "max_running": 8, "max_new_tokens": 16}
     client = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options=options, timeout_ms=120_000)
     try:
         yield client
@@ -84,7 +89,6 @@ def test_errors_come_in_openai_shape(oai):
         ({"n": 9}, "n"),  # past the engine's 8 running slots
         ({"n": 0}, "n"),
         ({"logprobs": 21}, "logprobs"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"best_of": 3}, "best_of"),
@@ -141,6 +145,32 @@ def test_chat_logprobs_and_completion_logprobs(oai):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_as_hf_computes_them(oai, tiny_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "DeepSpeed is a library for"
+    out = oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+    plain = oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    ids = tokenizer(prompt)["input_ids"]
+    assert choice.text == prompt + plain.choices[0].text
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] + plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset[len(ids)] == len(prompt) and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    for p, token in enumerate(ids[1:]):
+        assert abs(lp.token_logprobs[p + 1] - float(expected[p, token])) < 1e-4
+        top = torch.topk(expected[p], 3).indices.tolist()
+        assert set(lp.top_logprobs[p + 1]) == {tokenizer.decode([t]) for t in top}
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 4
 
 
 def test_n_choices_are_seeded_each_and_usage_counts_every_choice(oai):

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zserve.stages.generate.engine_core import EngineCore
+from zserve.stages.generate.llama import own_model
 from zserve.stages.generate.sequence import SamplingParams
 
 
@@ -66,6 +67,35 @@ def test_logprobs_equal_hf_log_softmax_for_the_same_tokens(reference):
             _, ids = torch.topk(expected[j], params.logprobs)
             assert {t for t, _ in out.logprobs.top} == set(ids.tolist())
             assert max(abs(v - float(expected[j, t])) for t, v in out.logprobs.top or [(0, expected[j, 0])]) < 1e-4
+
+
+@pytest.mark.parametrize("impl", ["transformers", "zserve"])
+def test_prompt_logprobs_equal_hf_log_softmax_over_chunks_shared_prefixes_and_preemption(reference, impl):
+    """Prompt logprobs (completions' echo with logprobs) equal log_softmax of HF's logits over the prompt:
+    prompts split over several steps' chunks, one whose prefix another sequence has cached (it is computed
+    whole anyway: the cache has no logits), a pool so small that sequences are preempted and recomputed
+    (nothing is collected twice); rows beside them without the option still equal greedy generate."""
+    core = EngineCore(own_model(copy.deepcopy(reference), impl), num_blocks=12, block_size=8, max_batched_tokens=24)
+    shared = prompts(1, 7)[0] + prompts(1, 8)[0]
+    ps = [shared, [*shared, 5, 6, 7], *prompts(3, 9)]
+    cases = [(p, SamplingParams(max_new_tokens=10, ignore_eos=True, prompt_logprobs=-1 if i % 2 == 0 else 3 * i))
+             for i, p in enumerate(ps)]  # fmt: skip
+    outputs = run(core, cases)
+    assert core.scheduler.preemptions > 0
+    for i, (prompt, params) in enumerate(cases):
+        first, *rest = outputs[i]
+        assert all(o.prompt_logprobs is None for o in rest)
+        if params.prompt_logprobs < 0:
+            assert first.prompt_logprobs is None
+            assert [o.token_id for o in outputs[i]] == generate(reference, prompt, 10)
+            continue
+        with torch.inference_mode():
+            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+        assert len(first.prompt_logprobs) == len(prompt) - 1
+        for p, got in enumerate(first.prompt_logprobs):
+            assert abs(got.logprob - float(expected[p, prompt[p + 1]])) < 1e-4
+            _, ids = torch.topk(expected[p], params.prompt_logprobs)
+            assert {t for t, _ in got.top} == set(ids.tolist())
 
 
 def test_greedy_with_a_repetition_penalty_equals_generate_and_plain_rows_are_unchanged(reference):
