@@ -171,7 +171,7 @@ class PagedKVCache:
             self.native(q[:d], kc, vc, step.decode_tables, step.decode_lengths, bs, scale, out[:d])
             decodes = []
         # Without the kernel, one unmasked SDPA call per sequence over its own KV beats one padded, masked
-        # batch on a CPU (bench/gen_attention.py): the mask forces SDPA's slow path and the padding costs too.
+        # batch on a CPU (bench/studies/attention.py): the mask forces SDPA's slow path and the padding costs too.
         kb, vb = kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:])
         for row, table, length in decodes:
             out[row] = F.scaled_dot_product_attention(

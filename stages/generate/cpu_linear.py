@@ -5,7 +5,7 @@ layout, which for the few rows of a decode step (4-64) runs far from the memory 
 SmolLM2-135M's 211 products per step (1 thread), 8 rows take 2.1x as long as 1 row although both read the
 same 540 MB. oneDNN with the weight reordered once into its blocked layout (what vLLM's CPU build does for
 every dense layer) takes 0.65x the time at 8 rows, 0.93x at 32, 0.89x at 256 and 1.06x at 1
-(``bench/gen_linear.py``). The reordered weight is an opaque tensor, so each layer keeps it beside its bias
+(``bench/studies/linear.py``). The reordered weight is an opaque tensor, so each layer keeps it beside its bias
 and the plain weight is dropped, except where it is shared (a tied ``lm_head`` keeps the embedding).
 """
 
