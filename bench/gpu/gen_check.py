@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The generative engine's GPU check, in one run of a few minutes on one CUDA device, with random weights from
-real configs (nothing downloaded) and our Llama-family model code (stages/generate/llama.py):
+real configs (nothing downloaded) and our Llama-family model code (zserve/generator/llama.py):
 
 1. parity: greedy output of the engine core (decodes as one padded batch, the step's inputs in one packed
    upload, as on any GPU) equals Hugging Face ``generate`` on the same device, token for token, for tiny
@@ -70,8 +70,8 @@ def build(prefix: str, shape: dict, dtype: torch.dtype, device: str):
 
 
 def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool):
-    from zserve.stages.generate.attention import Uploader
-    from zserve.stages.generate.engine_core import EngineCore
+    from zserve.generator.attention import Uploader
+    from zserve.generator.engine_core import EngineCore
 
     core = EngineCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
                       max_running=256, batched_decode=True, native_decode=False)  # fmt: skip
@@ -81,8 +81,8 @@ def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool):
 
 
 def parity(device: str, dry: bool) -> dict:
-    from zserve.stages.generate.llama import own_model
-    from zserve.stages.generate.sequence import SamplingParams
+    from zserve.generator.llama import own_model
+    from zserve.generator.sequence import SamplingParams
 
     out = {}
     rng = random.Random(1)
@@ -126,9 +126,9 @@ def _sync(device: str) -> None:
 
 
 def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batches, prompt, steps, bw, dry):
-    from zserve.stages.generate.engine_core import head_dim, kv_heads
-    from zserve.stages.generate.llama import own_model
-    from zserve.stages.generate.sequence import SamplingParams
+    from zserve.generator.engine_core import head_dim, kv_heads
+    from zserve.generator.llama import own_model
+    from zserve.generator.sequence import SamplingParams
 
     model = own_model(build(prefix, shape, dtype, device), "zserve")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -162,7 +162,7 @@ def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batche
 def kernels_and_syncs(core, device: str, batch: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from zserve.stages.generate.sequence import SamplingParams
+    from zserve.generator.sequence import SamplingParams
 
     for i in range(batch):
         core.add(i, [5 + i] * 32, SamplingParams(max_new_tokens=16))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from zserve.stages.generate.native import decode_kernel
+from zserve.generator.native import decode_kernel
 
 
 def parse_args() -> argparse.Namespace:

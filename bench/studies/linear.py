@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from zserve.stages.generate import cpu_linear
+    from zserve.generator import cpu_linear
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="zserve-linear-") as tmp:

@@ -30,10 +30,10 @@ from torch import nn
 from bench.common import report
 from bench.common.paths import RESULTS
 from bench.generation import zserve_leg
-from zserve.stages.generate import cpu_linear
-from zserve.stages.generate.attention import PagedKVCache
-from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator import cpu_linear
+from zserve.generator.attention import PagedKVCache
+from zserve.generator.engine import EngineOptions, GenerativeEngine
+from zserve.generator.sequence import SamplingParams
 
 
 @dataclass

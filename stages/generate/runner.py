@@ -31,10 +31,10 @@ import zmq
 from zserve import payload
 from zserve.frames import pack
 from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
+from zserve.generator.detokenize import TextStream
+from zserve.generator.engine import PreparedPrompt, engine_of
+from zserve.generator.engine_core import TokenOutput
 from zserve.protocol import Batch, Codec, Status, StepOutput
-from zserve.stages.generate.detokenize import TextStream
-from zserve.stages.generate.engine import PreparedPrompt, engine_of
-from zserve.stages.generate.engine_core import TokenOutput
 from zserve.stages.items import Failure
 from zserve.stages.runtime import WorkerLink, enter_compute_thread
 from zserve.transport import make_socket

@@ -18,7 +18,7 @@ from tinylm import build_tiny_lm
 
 import zserve
 from bench.generation import mii_rest_client  # bench is a package at the repo root (pytest's pythonpath = ["."])
-from zserve.stages.generate import grammar
+from zserve.generator import grammar
 
 
 @pytest.fixture(scope="module")

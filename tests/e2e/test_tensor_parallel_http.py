@@ -62,7 +62,7 @@ def concurrently(d: Deployment, model: str, tokens: int) -> list[tuple[int, str]
 
 
 def followers(d: Deployment) -> list[psutil.Process]:
-    return [p for p in d.descendants() if "zserve.stages.generate.tensor_parallel" in " ".join(p.cmdline())]
+    return [p for p in d.descendants() if "zserve.generator.tensor_parallel" in " ".join(p.cmdline())]
 
 
 def test_two_ranks_answer_as_one_process(deployment):

@@ -14,7 +14,7 @@ import pytest
 from tiny_tool_lm import build_tiny_tool_lm, teach
 
 import zserve
-from zserve.stages.generate import grammar
+from zserve.generator import grammar
 
 pytestmark = pytest.mark.skipif(not grammar.available(), reason="xgrammar is not installed (the structured extra)")
 

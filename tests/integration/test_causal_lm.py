@@ -7,7 +7,7 @@ import torch
 from tinylm import build_tiny_lm
 
 import zserve
-from zserve.stages.generate.detokenize import TextStream
+from zserve.generator.detokenize import TextStream
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def pipe(tiny_path):
 def test_pipeline_generates_like_hf_generate(pipe, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zserve.stages.generate.llama import LlamaFamily
+    from zserve.generator.llama import LlamaFamily
 
     assert isinstance(pipe.model.engine.core.model, LlamaFamily)  # model_impl auto: ours, for a Llama
     prompts = ["DeepSpeed is", "Seattle is", "zserve batches many small"]

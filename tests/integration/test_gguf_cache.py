@@ -86,14 +86,14 @@ def test_converted_checkpoint_loads_and_answers_a_chat(converted):
 
 
 def test_our_model_code_on_the_converted_weights_equals_generate(converted):
-    """stages/generate/llama.py merges the real SmolLM2's q/k/v and gate/up (tied embeddings, 9 heads over 3
+    """zserve/generator/llama.py merges the real SmolLM2's q/k/v and gate/up (tied embeddings, 9 heads over 3
     key/value heads, rope theta 1e5) from the converted GGUF: greedy output is HF's, chunked prefill included."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
-    from zserve.stages.generate.llama import LlamaFamily
-    from zserve.stages.generate.sequence import SamplingParams
+    from zserve.generator.engine import EngineOptions, GenerativeEngine
+    from zserve.generator.llama import LlamaFamily
+    from zserve.generator.sequence import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(converted)
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):", "Red, blue,")]

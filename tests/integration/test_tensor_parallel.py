@@ -13,9 +13,9 @@ import torch
 from tinylm import build_tiny_lm
 from transformers import AutoModelForCausalLM
 
-from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
-from zserve.stages.generate.llama import LlamaFamily
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator.engine import EngineOptions, GenerativeEngine
+from zserve.generator.llama import LlamaFamily
+from zserve.generator.sequence import SamplingParams
 
 OPTIONS = EngineOptions(num_blocks=24, block_size=8, max_batched_tokens=48, max_running=8, tensor_parallel=2)
 NEW = 10

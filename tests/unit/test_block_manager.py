@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zserve.stages.generate.block_manager import BlockManager, BlockPoolExhausted, SeqBlocks
+from zserve.generator.block_manager import BlockManager, BlockPoolExhausted, SeqBlocks
 
 
 def check(bm: BlockManager, live: dict[int, SeqBlocks]) -> None:

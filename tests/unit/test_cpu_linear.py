@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.stages.generate import cpu_linear
+from zserve.generator import cpu_linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])

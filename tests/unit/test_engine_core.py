@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.stages.generate import cpu_linear
-from zserve.stages.generate.engine_core import EngineCore
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator import cpu_linear
+from zserve.generator.engine_core import EngineCore
+from zserve.generator.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")

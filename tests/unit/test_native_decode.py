@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zserve.stages.generate import native
+from zserve.generator import native
 
 
 def reference(q, kc, vc, tables, lengths, block_size, scale):

@@ -1,4 +1,4 @@
-"""Our Llama-family model code (stages/generate/llama.py): greedy output equals Hugging Face ``generate``
+"""Our Llama-family model code (zserve/generator/llama.py): greedy output equals Hugging Face ``generate``
 token for token for tiny models of each architecture (GQA and not, tied and untied embeddings, biases, Qwen3's
 q/k norms), with staggered arrivals, chunked prefill, preemption and prefix caching; ``model_impl`` picks."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_engine_core import expected, prompts
 
-from zserve.stages.generate import cpu_linear
-from zserve.stages.generate.engine import EngineOptions, warm_step
-from zserve.stages.generate.engine_core import EngineCore
-from zserve.stages.generate.llama import LlamaFamily, own_model, rms_norm, unsupported
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator import cpu_linear
+from zserve.generator.engine import EngineOptions, warm_step
+from zserve.generator.engine_core import EngineCore
+from zserve.generator.llama import LlamaFamily, own_model, rms_norm, unsupported
+from zserve.generator.sequence import SamplingParams
 
 _SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512)
 

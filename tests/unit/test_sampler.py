@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from zserve.stages.generate.sampler import _DRAWS, Sampler, seeded_uniform
-from zserve.stages.generate.sequence import SamplingParams, Sequence
+from zserve.generator.sampler import _DRAWS, Sampler, seeded_uniform
+from zserve.generator.sequence import SamplingParams, Sequence
 
 
 def seq(params: SamplingParams, generated: int = 0, seq_id: int = 0) -> Sequence:

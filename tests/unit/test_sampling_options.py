@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.stages.generate.engine_core import EngineCore
-from zserve.stages.generate.llama import own_model
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator.engine_core import EngineCore
+from zserve.generator.llama import own_model
+from zserve.generator.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")

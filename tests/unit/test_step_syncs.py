@@ -14,10 +14,10 @@ from test_engine_core import expected, prompts
 from test_own_model import run, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zserve.stages.generate.attention import Uploader
-from zserve.stages.generate.engine_core import EngineCore
-from zserve.stages.generate.llama import own_model
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator.attention import Uploader
+from zserve.generator.engine_core import EngineCore
+from zserve.generator.llama import own_model
+from zserve.generator.sequence import SamplingParams
 
 
 class HostReads(TorchDispatchMode):

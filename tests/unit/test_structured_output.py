@@ -12,7 +12,7 @@ from tinylm import build_tiny_lm
 
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest
-from zserve.stages.generate import grammar
+from zserve.generator import grammar
 
 needs_xgrammar = pytest.mark.skipif(not grammar.available(), reason="xgrammar is not installed (the structured extra)")
 
@@ -27,7 +27,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
+    from zserve.generator.engine import EngineOptions, GenerativeEngine
 
     path = build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
     return GenerativeEngine.load(str(path), options=EngineOptions(num_blocks=512, block_size=8, max_new_tokens=64))

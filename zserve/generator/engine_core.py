@@ -1,8 +1,8 @@
 """The generative engine core: add requests (under the caller's ids), call ``step()``; each step runs one
 packed forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
 text: ``engine.GenerativeEngine`` owns it (tokenising, in-process generate) and the engine process shell
-(``runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else Hugging Face's,
-unchanged, with our paged attention registered.
+(``stages/generate/runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else
+Hugging Face's, unchanged, with our paged attention registered.
 
 Per step the Python work is O(1) per sequence: each sequence keeps its KV slot table and block table as
 tensors that grow a block at a time (``_sync``), so building the step's metadata slices views instead of
@@ -18,16 +18,16 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from zserve.stages.generate import grammar
-from zserve.stages.generate.attention import PagedKVCache, StepMeta, Uploader
-from zserve.stages.generate.block_manager import BlockManager
-from zserve.stages.generate.llama import LlamaFamily
-from zserve.stages.generate.sampler import Sampler, TokenLogprobs, prompt_logprobs
-from zserve.stages.generate.scheduler import Chunk, StepScheduler
-from zserve.stages.generate.sequence import SamplingParams, Sequence
+from zserve.generator import grammar
+from zserve.generator.attention import PagedKVCache, StepMeta, Uploader
+from zserve.generator.block_manager import BlockManager
+from zserve.generator.llama import LlamaFamily
+from zserve.generator.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from zserve.generator.scheduler import Chunk, StepScheduler
+from zserve.generator.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
-    from zserve.stages.generate.tensor_parallel import TensorParallelGroup
+    from zserve.generator.tensor_parallel import TensorParallelGroup
 
 _names = itertools.count()
 

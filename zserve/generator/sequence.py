@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from zserve.stages.generate.block_manager import SeqBlocks
+from zserve.generator.block_manager import SeqBlocks
 
 if TYPE_CHECKING:
     import torch

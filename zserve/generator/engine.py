@@ -1,7 +1,7 @@
 """The generative engine: one object that loads the model and tokenizer, sizes the KV pool, turns requests
 into token ids and sampling parameters, and owns the ``EngineCore``. The engine process's runner
-(``runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both use it, so there
-is one tokenisation path.
+(``stages/generate/runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both
+use it, so there is one tokenisation path.
 
 The engine's ``max_running`` (sequences per step) is also how many sequences the broker admits to it.
 
@@ -24,15 +24,15 @@ import torch
 
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, TokenLogprob, TopLogprob
-from zserve.stages.generate import cpu_linear, grammar
-from zserve.stages.generate.detokenize import TextStream
-from zserve.stages.generate.engine_core import EngineCore, head_dim, kv_heads
-from zserve.stages.generate.llama import own_model
-from zserve.stages.generate.sampler import TokenLogprobs
-from zserve.stages.generate.sequence import SamplingParams
+from zserve.generator import cpu_linear, grammar
+from zserve.generator.detokenize import TextStream
+from zserve.generator.engine_core import EngineCore, head_dim, kv_heads
+from zserve.generator.llama import own_model
+from zserve.generator.sampler import TokenLogprobs
+from zserve.generator.sequence import SamplingParams
 
 if TYPE_CHECKING:
-    from zserve.stages.generate.tensor_parallel import TensorParallelGroup
+    from zserve.generator.tensor_parallel import TensorParallelGroup
 
 _CPU_KV_CACHE_BYTES = 1 << 30
 _GPU_MEMORY_FRACTION = 0.9
@@ -116,7 +116,7 @@ class GenerativeEngine:
             if options.cpu_linear == "onednn" and cpu_linear.available(model):
                 cpu_linear.prepack(model)
             return cls(model, tokenizer, options)
-        from zserve.stages.generate.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
+        from zserve.generator.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
 
         check_divisible(AutoConfig.from_pretrained(path), options.tensor_parallel)
         if device.startswith("cuda") and torch.cuda.device_count() < options.tensor_parallel:
@@ -341,6 +341,6 @@ def engine_of(model: Any) -> GenerativeEngine:
     if not isinstance(engine, GenerativeEngine):
         raise TypeError(
             f"{type(model).__name__} says generative = True, but its setup() did not set self.engine to a "
-            "zserve.stages.generate.engine.GenerativeEngine"
+            "zserve.generator.engine.GenerativeEngine"
         )
     return engine

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from zserve.stages.generate.block_manager import BlockManager
-from zserve.stages.generate.sequence import Sequence
+from zserve.generator.block_manager import BlockManager
+from zserve.generator.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zserve.stages.generate import grammar
-from zserve.stages.generate.sequence import Sequence
+from zserve.generator import grammar
+from zserve.generator.sequence import Sequence
 
 _DRAWS = 16  # rejection rounds of top-p per token (then the rows still drawing are sorted)
 _MASK = (1 << 64) - 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from zserve.stages.generate.native import decode_kernel
+from zserve.generator.native import decode_kernel
 
 
 @dataclass(slots=True)

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zserve.stages.generate.attention import StepMeta, Uploader
-from zserve.stages.generate.engine_core import forward, kv_heads, paged_cache_for
+from zserve.generator.attention import StepMeta, Uploader
+from zserve.generator.engine_core import forward, kv_heads, paged_cache_for
 
 log = logging.getLogger("zserve.tensor_parallel")
 
@@ -86,7 +86,7 @@ def load_sharded(spec: GroupSpec) -> Any:
     """This rank's shard of the model (the process group must be joined)."""
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
-    from zserve.stages.generate.llama import LlamaFamily, unsupported
+    from zserve.generator.llama import LlamaFamily, unsupported
 
     config = AutoConfig.from_pretrained(spec.path)
     if spec.model_impl == "zserve" or (spec.model_impl == "auto" and unsupported(config) is None):
@@ -128,7 +128,7 @@ class TensorParallelGroup:
         for rank in range(1, size):
             argv = ["--rank", str(rank), "--size", str(size), "--store", spec.store, "--path", path, "--dtype", dtype]
             argv += ["--device", device, "--model-impl", model_impl]
-            followers.append(subprocess.Popen([sys.executable, "-m", "zserve.stages.generate.tensor_parallel", *argv]))
+            followers.append(subprocess.Popen([sys.executable, "-m", "zserve.generator.tensor_parallel", *argv]))
         try:
             control = _join(0, spec)
         except BaseException:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zserve.stages.generate.attention import PagedKVCache, TorchStep
+from zserve.generator.attention import PagedKVCache, TorchStep
 
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # cos/sin depend on the position alone

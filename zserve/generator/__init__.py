@@ -1,0 +1,10 @@
+"""The generative engine library: pure PyTorch logic, no sockets (the engine process around it is
+``stages/generate/runner.py``).
+
+block_manager (paged KV bookkeeping), sequence (request state, sampling params), scheduler (iteration-level
+batching with a token budget, chunked prefill, preemption by recompute), attention (paged attention, also
+plugged into unchanged Hugging Face models), llama (our model code for the Llama family), native (the CPU
+decode-attention kernel), cpu_linear (oneDNN-prepacked linear layers), sampler (batched sampling options,
+logprobs), grammar (structured output), engine_core (add / abort / step), detokenize (incremental text, stop
+strings), engine (tokenising, in-process generate), tensor_parallel (an engine group over torch.distributed).
+"""
