@@ -12,10 +12,11 @@ temperature 1 spreads 0.9 of its mass over more than 256 tokens for 96% of the r
 Before any of that, in this order (as vLLM v1 does): the log-probabilities a row asked for are taken from the
 model's raw logits (``log_softmax``: what OpenAI's ``logprobs`` report, unaffected by the options below);
 eos and stop ids are banned until ``min_new_tokens``; ``logit_bias`` is added (one ``index_put_`` for every
-biased row); the penalties are applied to the rows that have them, together: the generated tokens of those
-rows are counted into a [rows, vocab] tensor by one ``scatter_add_``; frequency subtracts ``f x count``,
-presence ``p x (count > 0)``, repetition (over prompt and generated tokens, HF's formula) divides positive
-logits by ``r`` and multiplies negative ones; then the tokens a row's grammar forbids are banned (only rows
+biased row); the penalties are applied to the rows that have them, together, on the entries they change:
+each row's seen tokens with their counts among the generated ones (kept per sequence, a step's new token
+added each step) are gathered in one call; frequency subtracts ``f x count``, presence ``p x (count > 0)``,
+repetition (over prompt and generated tokens, HF's formula) divides positive logits by ``r`` and multiplies
+negative ones; the results are written back in one ``index_put_``; then the tokens a row's grammar forbids are banned (only rows
 with a grammar, ``grammar.py``). A step without any of these options runs none of it.
 
 The sampled ids and, when asked for, their log-probabilities and the top-k alternatives come back to the
@@ -144,23 +145,33 @@ class Sampler:
             logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
     def _penalise(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
-        """Presence, frequency and repetition penalties for every penalised row at once (vLLM's formulas)."""
+        """Presence, frequency and repetition penalties for every penalised row at once (vLLM's formulas),
+        on the (row, token) entries they change only: each row's seen tokens with their counts, gathered,
+        changed and written back in one call each (a dense [rows, vocab] pass per operation cost ~3 ms a
+        step at 8 rows of a 49k vocabulary on 2 CPU threads)."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.penalised]
         if not rows:
             return
-        device, vocab = logits.device, logits.shape[1]
+        device = logits.device
         params = [seqs[i].params for i in rows]
-        index = _index(rows, device)
-        x = logits.index_select(0, index).float()
-        counts = _counts([seqs[i].generated for i in rows], vocab, device)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-        x -= frequency * counts + presence * (counts > 0)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            r = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-            seen = (counts > 0) | (_counts([seqs[i].tokens[: seqs[i].prompt_len] for i in rows], vocab, device) > 0)
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        logits.index_copy_(0, index, x.to(logits.dtype))
+        row_of, tokens, counts, sizes = [], [], [], []
+        for i in rows:
+            seen = _seen(seqs[i])
+            row_of += [i] * len(seen)
+            tokens += seen.keys()
+            counts += seen.values()
+            sizes.append(len(seen))
+        index = (_index(row_of, device), _index(tokens, device))
+        x = logits[index].float()
+        c = torch.tensor(counts, dtype=torch.float32, device=device)
+        repeats = torch.tensor(sizes, device=device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).repeat_interleave(repeats)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).repeat_interleave(repeats)
+        x -= frequency * c + presence * (c > 0)
+        if any(p.repetition_penalty != 1.0 for p in params):  # every entry of such a row is seen (prompt or output)
+            r = torch.tensor([p.repetition_penalty for p in params], device=device).repeat_interleave(repeats)
+            x = torch.where(x > 0, x / r, x * r)
+        logits.index_put_(index, x.to(logits.dtype))
 
     def _uniforms(self, seqs: Seq[Sequence], draw: int, device: torch.device) -> torch.Tensor:
         """One number in [0, 1) per sequence: its ``draw``-th of this step (seeded: a function of the seed and
@@ -265,14 +276,19 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float counts of each row's tokens: the lists padded with ``vocab`` (a column dropped
-    after) and scattered in one call."""
-    width = max(1, max(len(t) for t in token_lists))
-    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long, device=device)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+def _seen(seq: Sequence) -> dict[int, int]:
+    """The tokens a penalty touches in ``seq``, each with its count among the generated tokens: the
+    generated ones, and under a repetition penalty the prompt's too (count 0 unless also generated).
+    Brought up to date with the tokens added since the last step only."""
+    seen = seq.seen
+    if seq.seen_upto < 0:
+        if seq.params.repetition_penalty != 1.0:
+            seen.update(dict.fromkeys(seq.tokens[: seq.prompt_len], 0))
+        seq.seen_upto = seq.prompt_len
+    for token in seq.tokens[seq.seen_upto :]:
+        seen[token] = seen.get(token, 0) + 1
+    seq.seen_upto = len(seq.tokens)
+    return seen
 
 
 def _nucleus_of_candidates(

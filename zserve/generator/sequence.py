@@ -56,6 +56,10 @@ class Sequence:
     matcher: Any = None  # the grammar's state after the generated tokens (params.grammar's GrammarMatcher)
     # params.prompt_logprobs >= 0: entry p for prompt token p + 1, filled as the prompt's chunks are computed
     prompt_logprobs: list[Any] = field(default_factory=list)
+    # penalised sequences (sampler.py): how often each generated token occurs (prompt tokens with 0 under a
+    # repetition penalty), kept up to date a step at a time instead of recounted every step
+    seen: dict[int, int] = field(default_factory=dict)
+    seen_upto: int = -1  # tokens counted into `seen` (-1: not started)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
