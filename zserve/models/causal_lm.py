@@ -1,5 +1,5 @@
 """``zserve.models.causal_lm:CausalLM``: autoregressive LLMs on the generative engine
-(``zserve.stages.generate.engine``): continuous batching over a paged KV cache, chunked prefill, prefix
+(``zserve.generator.engine``): continuous batching over a paged KV cache, chunked prefill, prefix
 caching, per-request sampling, stop ids and strings, incremental detokenisation.
 
 This handler keeps the options and the request hooks; ``setup`` builds the ``GenerativeEngine`` (model,
@@ -9,7 +9,7 @@ process (``zserve.pipeline``).
 Options: ``path`` (a local folder, a hub name, or ``package:NAME`` for an installed package's folder),
 ``gguf_file`` (converted once into a cache, see ``zserve.gguf_cache``), ``dtype`` ("auto": bfloat16 on CUDA,
 float32 on a CPU; "float32", "bfloat16", "float16"), ``model_impl`` ("auto": zserve's own model code for the
-Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3: merged projections, see stages/generate/llama.py) and
+Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3: merged projections, see zserve/generator/llama.py) and
 Hugging Face's modules for every other architecture; "zserve": ours or an error; "transformers": HF's), and
 the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of the free
 memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
@@ -34,7 +34,7 @@ from zserve.model import Model
 
 
 class CausalLM(Model):
-    generative = True  # served by the generative engine: sequences, not batches (see stages/generate/engine.py)
+    generative = True  # served by the generative engine: sequences, not batches (see zserve/generator/engine.py)
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class CausalLM(Model):
     # ---- engine side ----
 
     def setup(self, device: str) -> None:
-        from zserve.stages.generate.engine import EngineOptions, GenerativeEngine
+        from zserve.generator.engine import EngineOptions, GenerativeEngine
 
         o = self.options
         options = EngineOptions(
