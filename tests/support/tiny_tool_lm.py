@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tinylm import byte_level_bpe
+
 # Qwen2.5-Instruct's template, its tool parts as they are (the system prompt's wording shortened).
 TEMPLATE = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -50,18 +52,9 @@ CORPUS = [
 
 def build_tiny_tool_lm(out: Path) -> Path:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = byte_level_bpe(CORPUS, 600, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                      additional_special_tokens=["<|im_start|>"])  # fmt: skip
     hf_tok.add_tokens(["<tool_call>", "</tool_call>"])  # not special: they stay in the decoded text, as in Qwen's
