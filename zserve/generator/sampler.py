@@ -16,8 +16,8 @@ biased row); the penalties are applied to the rows that have them, together, on 
 each row's seen tokens with their counts among the generated ones (kept per sequence, a step's new token
 added each step) are gathered in one call; frequency subtracts ``f x count``, presence ``p x (count > 0)``,
 repetition (over prompt and generated tokens, HF's formula) divides positive logits by ``r`` and multiplies
-negative ones; the results are written back in one ``index_put_``; then the tokens a row's grammar forbids are banned (only rows
-with a grammar, ``grammar.py``). A step without any of these options runs none of it.
+negative ones; the results are written back in one ``index_put_``; then the tokens a row's grammar forbids
+are banned (only rows with a grammar, ``grammar.py``). A step without any of these options runs none of it.
 
 The sampled ids and, when asked for, their log-probabilities and the top-k alternatives come back to the
 host in one copy (one float64 tensor: token ids are exact in it).
