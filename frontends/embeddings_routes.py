@@ -22,7 +22,7 @@ from zserve.client import AsyncClient
 from zserve.errors import BadRequest
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, decode_body
-from zserve.frontends.resources import RequestError, decode_item, openai_error, read_json, request_error
+from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
 
@@ -103,11 +103,7 @@ class EmbeddingsResource:
             except BadRequest as exc:  # what only the model's files can tell, checked on its stage
                 raise _as_input_field(exc) from None
         except Exception as exc:
-            error = request_error(exc)
-            if error is None:
-                raise
-            code = error.status
-            openai_error(resp, code, error.type_name, error.message, error.field)
+            code = answer_error(resp, exc, openai_error)
         else:
             tokens = sum(a.value["tokens"] for a in answers)  # what the model read, prompts included
             data = [

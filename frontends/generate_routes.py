@@ -47,7 +47,14 @@ from zserve.frontends.api_types import (
     Usage,
     decode_body,
 )
-from zserve.frontends.resources import RequestError, decode_item, openai_error, read_json, request_error, set_error
+from zserve.frontends.resources import (
+    RequestError,
+    answer_error,
+    decode_item,
+    openai_error,
+    read_json,
+    set_error,
+)
 from zserve.generation import GenerateResponse
 from zserve.model import Model
 
@@ -95,11 +102,7 @@ class _GenerateRoute:
         try:
             await work(named)
         except Exception as exc:
-            error = request_error(exc)
-            if error is None:
-                raise
-            code = error.status
-            write_error(resp, code, error.type_name, error.message, error.field)
+            code = answer_error(resp, exc, write_error)
         finally:
             if named and named[0] in self.metrics:
                 self.metrics[named[0]].answered(code, time.perf_counter() - started)

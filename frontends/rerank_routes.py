@@ -33,7 +33,7 @@ from zserve.frontends.api_types import (
     decode_body,
 )
 from zserve.frontends.embeddings_routes import gather_or_cancel
-from zserve.frontends.resources import RequestError, decode_item, openai_error, read_json, request_error
+from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
 from zserve.model import Model
 from zserve.models.rerank import CrossEncoderRerank
 
@@ -99,11 +99,7 @@ class _PairsResource:
                 exc.field = field if exc.field == "document" else exc.field
                 raise
         except Exception as exc:
-            error = request_error(exc)
-            if error is None:
-                raise
-            code = error.status
-            openai_error(resp, code, error.type_name, error.message, error.field)
+            code = answer_error(resp, exc, openai_error)
         else:
             scores = [a.value["score"] for a in answers]
             tokens = sum(a.value["tokens"] for a in answers)  # what the model read, as its stage tokenised it

@@ -148,6 +148,16 @@ def request_error(exc: BaseException) -> RequestError | None:
     return None
 
 
+def answer_error(resp: falcon.asgi.Response, exc: Exception, write: Callable[..., None] = set_error) -> int:
+    """Write ``exc`` on ``resp`` as its HTTP error with ``write`` (``set_error``, or ``openai_error`` for the
+    OpenAI routes) and return the status; an exception that is not the client's doing is raised again."""
+    error = request_error(exc)
+    if error is None:
+        raise exc
+    write(resp, error.status, error.type_name, error.message, error.field)
+    return error.status
+
+
 class Health:
     """Broker health, fetched at most every READY_CACHE_S per worker."""
 
@@ -210,11 +220,7 @@ class PredictResource:
             item = self.route.item(handler, raw, req.content_type or "")
             answer = await self.route.client.infer(name, item, decoded=True)
         except Exception as exc:
-            error = request_error(exc)
-            if error is None:
-                raise
-            set_error(resp, error.status, error.type_name, error.message, error.field)
-            return error.status, 0
+            return answer_error(resp, exc), 0
         try:
             resp.data = self.route.response_body(handler, answer)
         except Exception as exc:

@@ -47,7 +47,7 @@ class Job:
     compute_ms: float = 0.0  # predict's time: what the broker adds up as the engine's busy time
 
 
-class BatchRunner:
+class BatchSteps:
     """Runs Batches through a model's hooks in three steps, so that an engine can run them on different
     threads: ``decode`` (payloads, ``decode_request``), ``compute`` (``predict``), ``encode``
     (``encode_response``, payloads, the BatchResult). ``run`` does all three in a row. No sockets."""
@@ -128,14 +128,14 @@ class BatchRunner:
         return list(outputs)
 
 
-class PipelinedEngine:
-    """The engine process's threads (DESIGN §5): the link's thread (it owns the DEALER) decodes each Batch
-    as it arrives; the compute thread only runs ``predict``; the output thread encodes and sends results on
-    its own PUSH. With credits >= 2 the next batch is decoded and the last one encoded and sent while
-    ``predict`` runs, so the device never waits for serialisation."""
+class BatchRunner:
+    """The batch engine process's runner, on three threads (docs/architecture.md): the link's thread (it owns
+    the DEALER) decodes each Batch as it arrives; the compute thread only runs ``predict``; the output thread
+    encodes and sends results on its own PUSH. With credits >= 2 the next batch is decoded and the last one
+    encoded and sent while ``predict`` runs, so the device never waits for serialisation."""
 
     def __init__(self, model: Model, link: WorkerLink) -> None:
-        self.runner = BatchRunner(model, link.worker_id)
+        self.steps = BatchSteps(model, link.worker_id)
         self.link = link
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> compute thread
         self._outbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # -> output thread
@@ -149,7 +149,7 @@ class PipelinedEngine:
 
     def run(self, batch: Batch, frames: list[Any]) -> None:
         """On the link's thread: decode, hand over. The answer goes out from the output thread."""
-        self._inbox.put(self.runner.decode(batch, frames))
+        self._inbox.put(self.steps.decode(batch, frames))
 
     def close(self) -> None:
         """Finish the batches held (the broker waits for them while draining), then stop."""
@@ -166,7 +166,7 @@ class PipelinedEngine:
         while (job := self._inbox.get()) is not None:
             self.link.busy = True
             try:
-                self.runner.compute(job)
+                self.steps.compute(job)
             finally:
                 self.link.busy = False
             self._outbox.put(job)
@@ -177,7 +177,7 @@ class PipelinedEngine:
         push.setsockopt(zmq.SNDTIMEO, 30_000)  # a broker gone for good must not hold the process forever
         try:
             while (job := self._outbox.get()) is not None:
-                result, frames = self.runner.encode(job)
+                result, frames = self.steps.encode(job)
                 push.send_multipart([codec.encode(result), *pack(frames)], copy=False)
         finally:
             push.close(linger=2000)
@@ -203,7 +203,7 @@ def make_runner(model: Model, link: WorkerLink) -> Any:
 
         return GenerationRunner(model, link)
     link.preprocesses = preprocesses_when_idle(model)
-    return PipelinedEngine(model, link)
+    return BatchRunner(model, link)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""``zserve.Model``: the one class a user writes. See DESIGN.md section 3 for the lifecycle.
+"""``zserve.Model``: the one class a user writes. Its lifecycle: docs/architecture.md.
 
 decode_request (frontend, per request) -> batch (broker) -> preprocess (stage, CPU, on the batch)
 -> predict (engine, on the batch) -> encode_response (frontend, per request). ``setup`` runs only in

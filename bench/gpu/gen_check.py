@@ -71,9 +71,9 @@ def build(prefix: str, shape: dict, dtype: torch.dtype, device: str):
 
 def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool):
     from zserve.generator.attention import Uploader
-    from zserve.generator.engine_core import EngineCore
+    from zserve.generator.step_core import StepCore
 
-    core = EngineCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
+    core = StepCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
                       max_running=256, batched_decode=True, native_decode=False)  # fmt: skip
     if dry:
         core.upload = Uploader(core.device, pack=True)  # what a device runs
@@ -126,9 +126,9 @@ def _sync(device: str) -> None:
 
 
 def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batches, prompt, steps, bw, dry):
-    from zserve.generator.engine_core import head_dim, kv_heads
     from zserve.generator.llama import own_model
     from zserve.generator.sequence import SamplingParams
+    from zserve.generator.step_core import head_dim, kv_heads
 
     model = own_model(build(prefix, shape, dtype, device), "zserve")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -32,7 +32,7 @@ from bench.common.paths import RESULTS
 from bench.generation import zserve_leg
 from zserve.generator import cpu_linear
 from zserve.generator.attention import PagedKVCache
-from zserve.generator.engine import EngineOptions, GenerativeEngine
+from zserve.generator.generator import Generator, GeneratorOptions
 from zserve.generator.sequence import SamplingParams
 
 
@@ -63,8 +63,8 @@ def _instrument(clock: _Clock) -> None:
 def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps: int, clock: _Clock) -> list[dict]:
     """Every impl's engine loaded side by side and stepped in turn (A, B, A, B...), so that whatever else the
     machine does at the time falls on all of them alike."""
-    options = EngineOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256)
-    engines = {impl: GenerativeEngine.load(path, options=replace(options, model_impl=impl)) for impl in impls}
+    options = GeneratorOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256)
+    engines = {impl: Generator.load(path, options=replace(options, model_impl=impl)) for impl in impls}
     rows = []
     for b in batches:
         samples: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in impls}

@@ -32,8 +32,8 @@ from zserve import payload
 from zserve.frames import pack
 from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
 from zserve.generator.detokenize import TextStream
-from zserve.generator.engine import PreparedPrompt, engine_of
-from zserve.generator.engine_core import TokenOutput
+from zserve.generator.generator import PreparedPrompt, generator_of
+from zserve.generator.step_core import TokenOutput
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.items import Failure
 from zserve.stages.runtime import WorkerLink, enter_compute_thread
@@ -99,10 +99,10 @@ class _Entry:
 class GenerationRunner:
     def __init__(self, model: Any, link: WorkerLink) -> None:
         self.model = model  # its request hooks (direct clients send bodies the engine decodes)
-        self.engine = engine_of(model)
-        self.core = self.engine.core
+        self.generator = generator_of(model)
+        self.core = self.generator.core
         self.link = link
-        link.credits = self.engine.max_running
+        link.credits = self.generator.max_running
         link.kv_blocks = self.core.num_blocks
         link.free_kv_blocks = self.core.free_blocks
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread
@@ -126,7 +126,7 @@ class GenerationRunner:
         try:
             body = payload.decode(frames)
             request = parse_generate_request(body if decoded else self.model.decode_request(body))
-            prompt = self.engine.prepare(request)
+            prompt = self.generator.prepare(request)
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
         else:
@@ -149,7 +149,7 @@ class GenerationRunner:
         if not output.is_alive():
             self._ctx.term()  # else it is stuck sending to a broker that is gone: exit without waiting
         if not step.is_alive():
-            self.engine.close()  # a tensor parallel group's other ranks stop with it
+            self.generator.close()  # a tensor parallel group's other ranks stop with it
 
     # ---- the step thread ----
 
@@ -228,7 +228,7 @@ class GenerationRunner:
                         steps.append(extra)
                     elif kind == "start":
                         a: Admitted = extra
-                        text = self.engine.text_stream(a.prompt)
+                        text = self.generator.text_stream(a.prompt)
                         params = a.prompt.params
                         sequences[batch_id_or_tokens] = _Output(
                             a.stream, a.decoded, text, len(a.prompt.prompt_ids),
@@ -259,9 +259,9 @@ class GenerationRunner:
                 continue  # aborted, or stopped by a stop string a step ago
             seq.num_tokens += 1
             if seq.logprobs is not None and out.logprobs is not None:
-                seq.logprobs.append(self.engine.token_logprob(token_id, out.logprobs))
+                seq.logprobs.append(self.generator.token_logprob(token_id, out.logprobs))
             if seq.prompt_ids is not None and out.prompt_logprobs is not None:
-                seq.prompt_logprobs = self.engine.prompt_token_logprobs(seq.prompt_ids, out.prompt_logprobs)
+                seq.prompt_logprobs = self.generator.prompt_token_logprobs(seq.prompt_ids, out.prompt_logprobs)
             delta, reason = seq.text.advance(token_id, reason)
             if seq.text.stopped:
                 self.inbox.put(("abort", [batch_id]))

@@ -25,7 +25,7 @@ def test_pipeline_generates_like_hf_generate(pipe, tiny_path):
 
     from zserve.generator.llama import LlamaFamily
 
-    assert isinstance(pipe.model.engine.core.model, LlamaFamily)  # model_impl auto: ours, for a Llama
+    assert isinstance(pipe.model.generator.core.model, LlamaFamily)  # model_impl auto: ours, for a Llama
     prompts = ["DeepSpeed is", "Seattle is", "zserve batches many small"]
     out = pipe(prompts, max_new_tokens=16, ignore_eos=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)

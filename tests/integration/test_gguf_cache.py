@@ -91,13 +91,13 @@ def test_our_model_code_on_the_converted_weights_equals_generate(converted):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zserve.generator.engine import EngineOptions, GenerativeEngine
+    from zserve.generator.generator import Generator, GeneratorOptions
     from zserve.generator.llama import LlamaFamily
     from zserve.generator.sequence import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(converted)
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):", "Red, blue,")]
-    engine = GenerativeEngine.load(str(converted), options=EngineOptions(num_blocks=64, max_batched_tokens=8))
+    engine = Generator.load(str(converted), options=GeneratorOptions(num_blocks=64, max_batched_tokens=8))
     assert isinstance(engine.core.model, LlamaFamily)
     for i, ids in enumerate(prompts):
         engine.core.add(i, ids, SamplingParams(max_new_tokens=12, ignore_eos=True))

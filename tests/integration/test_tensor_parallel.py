@@ -13,11 +13,11 @@ import torch
 from tinylm import build_tiny_lm
 from transformers import AutoModelForCausalLM
 
-from zserve.generator.engine import EngineOptions, GenerativeEngine
+from zserve.generator.generator import Generator, GeneratorOptions
 from zserve.generator.llama import LlamaFamily
 from zserve.generator.sequence import SamplingParams
 
-OPTIONS = EngineOptions(num_blocks=24, block_size=8, max_batched_tokens=48, max_running=8, tensor_parallel=2)
+OPTIONS = GeneratorOptions(num_blocks=24, block_size=8, max_batched_tokens=48, max_running=8, tensor_parallel=2)
 NEW = 10
 
 
@@ -31,7 +31,7 @@ def prompts(k: int = 10, seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(3, 400) for _ in range(rng.randrange(3, 60))] for _ in range(k)]
 
 
-def run_staggered(engine: GenerativeEngine, batch: list[list[int]]) -> list[list[int]]:
+def run_staggered(engine: Generator, batch: list[list[int]]) -> list[list[int]]:
     core, produced, pending, steps = engine.core, {}, list(enumerate(batch)), 0
     while pending or core.has_work():
         if pending and steps % 2 == 0:  # a new request every other step: it joins a running batch
@@ -47,7 +47,7 @@ def run_staggered(engine: GenerativeEngine, batch: list[list[int]]) -> list[list
 @pytest.mark.parametrize("impl", ["zserve", "transformers"])  # our layers sharded; HF's modules on HF's plan
 def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path, impl):
     batch = prompts()
-    engine = GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, model_impl=impl))
+    engine = Generator.load(str(tiny_path), options=replace(OPTIONS, model_impl=impl))
     try:
         assert isinstance(engine.core.model, LlamaFamily) == (impl == "zserve")
         assert engine.core.cache.k[0].shape[1] == 1  # this rank holds one of the two key/value heads
@@ -56,7 +56,7 @@ def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path
     finally:
         engine.close()
     assert "WORLD_SIZE" not in os.environ  # the process is alone again
-    single = run_staggered(GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=1)), batch)
+    single = run_staggered(Generator.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=1)), batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
     with torch.inference_mode():
         reference = [
@@ -71,14 +71,14 @@ def test_greedy_with_tensor_parallel_2_equals_one_process_and_generate(tiny_path
 
 def test_a_model_whose_heads_do_not_divide_is_refused_clearly(tiny_path):
     with pytest.raises(ValueError, match="tensor_parallel 3 must divide the model's 4 attention heads and 2"):
-        GenerativeEngine.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=3))
+        Generator.load(str(tiny_path), options=replace(OPTIONS, tensor_parallel=3))
 
 
 def test_a_group_on_cuda_needs_as_many_visible_devices(tiny_path):
     if torch.cuda.device_count() >= 2:
         pytest.skip("this host has the devices")
     with pytest.raises(ValueError, match=r'tensor_parallel 2 needs as many CUDA devices.*devices = \["cuda:0,1'):
-        GenerativeEngine.load(str(tiny_path), device="cuda:0", options=OPTIONS)
+        Generator.load(str(tiny_path), device="cuda:0", options=OPTIONS)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])

@@ -144,7 +144,7 @@ class HangingLM(CausalLM):
 
     def setup(self, device: str) -> None:
         super().setup(device)
-        core, step = self.engine.core, self.engine.core.step
+        core, step = self.generator.core, self.generator.core.step
 
         def step_or_hang() -> Any:
             try:

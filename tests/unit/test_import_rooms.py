@@ -86,10 +86,10 @@ def test_the_reader_sees_imports_inside_functions_and_relative_ones(tmp_path):
     source.write_text(
         "import importlib\n"
         "def f():\n"
-        "    from zserve.generator.engine import GenerativeEngine\n"
+        "    from zserve.generator.generator import Generator\n"
         "    from zserve import broker\n"
         "    from . import frontends\n"
         "    return importlib.import_module('zserve.frontends.app')\n"
     )
     names = imported_modules(source, "zserve.mod")
-    assert {"zserve.generator.engine", "zserve.broker", "zserve.frontends", "zserve.frontends.app"} <= names
+    assert {"zserve.generator.generator", "zserve.broker", "zserve.frontends", "zserve.frontends.app"} <= names

@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-from test_engine_core import expected, prompts
+from test_step_core import expected, prompts
 
 from zserve.generator import cpu_linear
-from zserve.generator.engine import EngineOptions, warm_step
-from zserve.generator.engine_core import EngineCore
+from zserve.generator.generator import GeneratorOptions, warm_step
 from zserve.generator.llama import LlamaFamily, own_model, rms_norm, unsupported
 from zserve.generator.sequence import SamplingParams
+from zserve.generator.step_core import StepCore
 
 _SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512)
 
@@ -59,7 +59,7 @@ def family(request):
     return request.param, tiny(request.param)
 
 
-def run(engine: EngineCore, batch: list[list[int]], n_new: int, every: int = 2) -> dict[int, list[int]]:
+def run(engine: StepCore, batch: list[list[int]], n_new: int, every: int = 2) -> dict[int, list[int]]:
     """Add a prompt every ``every`` steps (0: all at once) and step until done."""
     produced: dict[int, list[int]] = {}
     pending, steps = list(enumerate(batch)), 0
@@ -95,7 +95,7 @@ def test_greedy_equals_generate(family, num_blocks, budget, chunked, packed, nat
     model = own_model(copy.deepcopy(reference), "zserve")
     if packed:
         assert cpu_linear.prepack(model) == 2 * 4 + 1  # qkv o gate_up down per layer, the lm_head
-    engine = EngineCore(
+    engine = StepCore(
         model, num_blocks=num_blocks, block_size=8, max_batched_tokens=budget, chunked_prefill=chunked,
         native_decode=native,
     )  # fmt: skip
@@ -113,7 +113,7 @@ def test_shared_prefixes_under_preemption_equal_generate(family):
     rng = random.Random(5)
     prefix = [rng.randrange(1, 256) for _ in range(40)]
     batch = [prefix + p for p in prompts(8, seed=8)]
-    engine = EngineCore(own_model(copy.deepcopy(reference), "zserve"), num_blocks=24, block_size=8,
+    engine = StepCore(own_model(copy.deepcopy(reference), "zserve"), num_blocks=24, block_size=8,
                         max_batched_tokens=48)  # fmt: skip
     produced = run(engine, batch, 8)
     assert engine.scheduler.preemptions > 0 and engine.stats.cached_tokens > 0
@@ -125,8 +125,8 @@ def test_shared_prefixes_under_preemption_equal_generate(family):
 def test_the_warm_up_step_that_sizes_a_gpu_pool_leaves_the_model_to_the_real_core(impl):
     reference = tiny("qwen3-gqa")
     model = own_model(copy.deepcopy(reference), impl)
-    warm_step(model, EngineOptions(block_size=8, max_batched_tokens=96))  # GenerativeEngine's, before its pool
-    engine = EngineCore(model, num_blocks=64, block_size=8, max_batched_tokens=64)
+    warm_step(model, GeneratorOptions(block_size=8, max_batched_tokens=96))  # Generator's, before its pool
+    engine = StepCore(model, num_blocks=64, block_size=8, max_batched_tokens=64)
     batch = prompts(4, seed=2)
     produced = run(engine, batch, 6, every=0)
     assert [produced[i] for i in range(4)] == [expected(reference, p, 6) for p in batch]

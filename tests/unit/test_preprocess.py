@@ -11,7 +11,7 @@ from zserve.batching.scheduler import BatchPolicy, Scheduler
 from zserve.batching.workers import WorkerPool
 from zserve.hooks import HookError, check_preprocess_hooks, uses_preprocess
 from zserve.protocol import Batch, Status
-from zserve.stages.engine import BatchRunner
+from zserve.stages.engine import BatchSteps
 from zserve.stages.preprocess import PreprocessRunner
 
 
@@ -61,7 +61,7 @@ def test_stage_then_engine_carry_a_batch_and_arrays_as_raw_frames():
     result, out = PreprocessRunner(model, "stage").run(Batch(1, "m", [1, 2, 3], counts, [True] * 3), frames)
     assert result.statuses == [Status.OK] * 3 and result.prepared_frames == len(out) == 1
     batch = Batch(2, "m", [1, 2, 3], [len(out)], [True] * 3, prepared=True)
-    engine_result, engine_out = BatchRunner(model, "engine").run(batch, out)
+    engine_result, engine_out = BatchSteps(model, "engine").run(batch, out)
     assert engine_result.statuses == [Status.OK] * 3
     assert [payload.decode([f])["echo"] for f in engine_out] == ["a", "b", "c"]
 
@@ -172,9 +172,9 @@ def test_an_engine_runs_preprocess_on_a_batch_sent_to_it_unpreprocessed():
     model = Staged()
     model.setup_preprocess()
     frames, counts = frames_of(["a", "b"])
-    result, out = BatchRunner(model, "e").run(Batch(1, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
+    result, out = BatchSteps(model, "e").run(Batch(1, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
     assert result.statuses == [Status.OK] * 2
     assert [payload.decode([f])["echo"] for f in out] == ["a", "b"]
     frames, counts = frames_of(["a", "poison"])
-    result, _ = BatchRunner(model, "e").run(Batch(2, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
+    result, _ = BatchSteps(model, "e").run(Batch(2, "m", [1, 2], counts, [True] * 2, preprocess=True), frames)
     assert result.statuses == [Status.BAD_REQUEST] * 2 and "cannot preprocess poison" in result.messages[0]

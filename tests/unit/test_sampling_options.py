@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.generator.engine_core import EngineCore
 from zserve.generator.llama import own_model
 from zserve.generator.sequence import SamplingParams
+from zserve.generator.step_core import StepCore
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def reference():
     return LlamaForCausalLM(config).eval()
 
 
-def run(core: EngineCore, requests: list[tuple[list[int], SamplingParams]]) -> dict[int, list]:
+def run(core: StepCore, requests: list[tuple[list[int], SamplingParams]]) -> dict[int, list]:
     for i, (prompt, params) in enumerate(requests):
         core.add(i, prompt, params)
     outputs: dict[int, list] = {i: [] for i in range(len(requests))}
@@ -52,7 +52,7 @@ def prompts(k: int, seed: int) -> list[list[int]]:
 
 
 def test_logprobs_equal_hf_log_softmax_for_the_same_tokens(reference):
-    core = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8, max_batched_tokens=48)
+    core = StepCore(copy.deepcopy(reference), num_blocks=64, block_size=8, max_batched_tokens=48)
     options = zip(prompts(4, 1), [0, 3, 20, 5], [0.0, 1.0, 0.7, 0.0], strict=True)
     cases = [(p, SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=k, temperature=t, seed=i))
              for i, (p, k, t) in enumerate(options)]  # fmt: skip
@@ -75,7 +75,7 @@ def test_prompt_logprobs_equal_hf_log_softmax_over_chunks_shared_prefixes_and_pr
     prompts split over several steps' chunks, one whose prefix another sequence has cached (it is computed
     whole anyway: the cache has no logits), a pool so small that sequences are preempted and recomputed
     (nothing is collected twice); rows beside them without the option still equal greedy generate."""
-    core = EngineCore(own_model(copy.deepcopy(reference), impl), num_blocks=12, block_size=8, max_batched_tokens=24)
+    core = StepCore(own_model(copy.deepcopy(reference), impl), num_blocks=12, block_size=8, max_batched_tokens=24)
     shared = prompts(1, 7)[0] + prompts(1, 8)[0]
     ps = [shared, [*shared, 5, 6, 7], *prompts(3, 9)]
     cases = [(p, SamplingParams(max_new_tokens=10, ignore_eos=True, prompt_logprobs=-1 if i % 2 == 0 else 3 * i))
@@ -99,7 +99,7 @@ def test_prompt_logprobs_equal_hf_log_softmax_over_chunks_shared_prefixes_and_pr
 
 
 def test_greedy_with_a_repetition_penalty_equals_generate_and_plain_rows_are_unchanged(reference):
-    core = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8, max_batched_tokens=48)
+    core = StepCore(copy.deepcopy(reference), num_blocks=64, block_size=8, max_batched_tokens=48)
     ps = prompts(6, 2)
     cases = [(p, SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5 if i % 2 else 1.0))
              for i, p in enumerate(ps)]  # fmt: skip

@@ -10,14 +10,14 @@ import copy
 
 import pytest
 import torch
-from test_engine_core import expected, prompts
 from test_own_model import run, tiny
+from test_step_core import expected, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zserve.generator.attention import Uploader
-from zserve.generator.engine_core import EngineCore
 from zserve.generator.llama import own_model
 from zserve.generator.sequence import SamplingParams
+from zserve.generator.step_core import StepCore
 
 
 class HostReads(TorchDispatchMode):
@@ -54,7 +54,7 @@ def counted(monkeypatch):
     return mode
 
 
-def steps_reads(engine: EngineCore, mode: HostReads, steps: int) -> list[list[str]]:
+def steps_reads(engine: StepCore, mode: HostReads, steps: int) -> list[list[str]]:
     out = []
     for _ in range(steps):
         mode.reads = []
@@ -64,8 +64,8 @@ def steps_reads(engine: EngineCore, mode: HostReads, steps: int) -> list[list[st
     return out
 
 
-def gpu_path_engine(model, **kwargs) -> EngineCore:
-    engine = EngineCore(model, block_size=8, batched_decode=True, native_decode=False, **kwargs)
+def gpu_path_engine(model, **kwargs) -> StepCore:
+    engine = StepCore(model, block_size=8, batched_decode=True, native_decode=False, **kwargs)
     engine.upload = Uploader(engine.device, pack=True)  # what a device does, on the CPU
     return engine
 

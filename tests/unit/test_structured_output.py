@@ -27,10 +27,10 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from zserve.generator.engine import EngineOptions, GenerativeEngine
+    from zserve.generator.generator import Generator, GeneratorOptions
 
     path = build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
-    return GenerativeEngine.load(str(path), options=EngineOptions(num_blocks=512, block_size=8, max_new_tokens=64))
+    return Generator.load(str(path), options=GeneratorOptions(num_blocks=512, block_size=8, max_new_tokens=64))
 
 
 @needs_xgrammar

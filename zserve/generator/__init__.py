@@ -5,6 +5,7 @@ block_manager (paged KV bookkeeping), sequence (request state, sampling params),
 batching with a token budget, chunked prefill, preemption by recompute), attention (paged attention, also
 plugged into unchanged Hugging Face models), llama (our model code for the Llama family), native (the CPU
 decode-attention kernel), cpu_linear (oneDNN-prepacked linear layers), sampler (batched sampling options,
-logprobs), grammar (structured output), engine_core (add / abort / step), detokenize (incremental text, stop
-strings), engine (tokenising, in-process generate), tensor_parallel (an engine group over torch.distributed).
+logprobs), grammar (structured output), step_core (StepCore: add / abort / step), detokenize (incremental
+text, stop strings), generator (Generator: the model, tokeniser and StepCore together; in-process generate),
+tensor_parallel (an engine group over torch.distributed).
 """

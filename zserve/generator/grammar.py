@@ -6,7 +6,7 @@ bitmask, ``apply_token_bitmask_inplace`` on CPU and CUDA logits, rows chosen by 
 SGLang both default to it. (Measured on this machine; see docs/openai.md.)
 
 Where the work happens: a schema is compiled when its request is prepared, on the engine's link thread
-(``GenerativeEngine.prepare``), never on the step thread, and compiled grammars are cached by schema text;
+(``Generator.prepare``), never on the step thread, and compiled grammars are cached by schema text;
 in the step, only the rows with a grammar fill their bitmask row (a C++ call each) and are masked in one
 call; after sampling each such row's matcher accepts its token. A sequence whose grammar is complete ends
 with "stop".

@@ -157,7 +157,7 @@ class LlamaFamily(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale  # yarn's attention factor (1 for the rest)
         self.eps = layers[0].eps
-        self.cache: PagedKVCache | None = None  # set by the engine (engine_core.paged_cache_for)
+        self.cache: PagedKVCache | None = None  # set by the engine (step_core.paged_cache_for)
 
     @property
     def device(self) -> torch.device:

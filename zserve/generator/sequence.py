@@ -50,7 +50,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     kv: SeqBlocks = field(init=False)
     # the engine's slot tables (torch tensors, filled block by block as the block table grows; see
-    # EngineCore._sync): every KV slot of the sequence, and its block table
+    # StepCore._sync): every KV slot of the sequence, and its block table
     slots: torch.Tensor | None = None
     table: torch.Tensor | None = None
     matcher: Any = None  # the grammar's state after the generated tokens (params.grammar's GrammarMatcher)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zserve.generator.attention import StepMeta, Uploader
-from zserve.generator.engine_core import forward, kv_heads, paged_cache_for
+from zserve.generator.step_core import forward, kv_heads, paged_cache_for
 
 log = logging.getLogger("zserve.tensor_parallel")
 

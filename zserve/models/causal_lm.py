@@ -1,8 +1,8 @@
 """``zserve.models.causal_lm:CausalLM``: autoregressive LLMs on the generative engine
-(``zserve.generator.engine``): continuous batching over a paged KV cache, chunked prefill, prefix
+(``zserve.generator.generator``): continuous batching over a paged KV cache, chunked prefill, prefix
 caching, per-request sampling, stop ids and strings, incremental detokenisation.
 
-This handler keeps the options and the request hooks; ``setup`` builds the ``GenerativeEngine`` (model,
+This handler keeps the options and the request hooks; ``setup`` builds the ``Generator`` (model,
 tokenizer, KV pool, core), which the engine process's runner drives when served and ``generate`` drives in
 process (``zserve.pipeline``).
 
@@ -34,7 +34,7 @@ from zserve.model import Model
 
 
 class CausalLM(Model):
-    generative = True  # served by the generative engine: sequences, not batches (see zserve/generator/engine.py)
+    generative = True  # served by the generative engine: sequences, not batches (see zserve/generator/generator.py)
 
     def __init__(
         self,
@@ -79,27 +79,27 @@ class CausalLM(Model):
         self.path = path
         self.gguf_file = gguf_file
         self.dtype = dtype
-        self.engine: Any = None  # a GenerativeEngine after setup (torch is imported lazily)
+        self.generator: Any = None  # a Generator after setup (torch is imported lazily)
 
     # ---- engine side ----
 
     def setup(self, device: str) -> None:
-        from zserve.generator.engine import EngineOptions, GenerativeEngine
+        from zserve.generator.generator import Generator, GeneratorOptions
 
         o = self.options
-        options = EngineOptions(
+        options = GeneratorOptions(
             kv_cache_bytes=int(o["kv_cache_bytes"]), num_blocks=int(o["num_blocks"]), block_size=int(o["block_size"]),
             max_batched_tokens=int(o["max_batched_tokens"]), max_running=int(o["max_running"]),
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
             cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]), model_impl=str(o["model_impl"]),
         )  # fmt: skip
-        self.engine = GenerativeEngine.load(
+        self.generator = Generator.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
         )
 
     def warmup(self) -> None:
-        self.engine.warmup()
+        self.generator.warmup()
 
     # ---- request hooks (frontends, and the engine for direct clients) ----
 
@@ -156,4 +156,4 @@ class CausalLM(Model):
         streams text as it is produced."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         requests = [parse_generate_request({"prompt": p, **sampling}) for p in prompts]
-        return self.engine.generate(requests, on_delta)
+        return self.generator.generate(requests, on_delta)

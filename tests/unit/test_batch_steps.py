@@ -7,7 +7,7 @@ from testmodels import Picky
 from zserve import payload
 from zserve.models.echo import Echo
 from zserve.protocol import Batch, Status
-from zserve.stages.engine import BatchRunner
+from zserve.stages.engine import BatchSteps
 
 
 def run(model, items, decoded=False):
@@ -17,7 +17,7 @@ def run(model, items, decoded=False):
         frames += f
         counts.append(len(f))
     batch = Batch(1, "m", list(range(len(items))), counts, [decoded] * len(items))
-    result, out = BatchRunner(model, "w").run(batch, frames)
+    result, out = BatchSteps(model, "w").run(batch, frames)
     values, offset = [], 0
     for status, count in zip(result.statuses, result.frame_counts, strict=True):
         values.append(payload.decode(out[offset : offset + count]) if status == Status.OK else None)
@@ -48,6 +48,6 @@ def test_decoded_items_skip_the_request_and_response_hooks():
 
 def test_a_malformed_payload_is_a_bad_request():
     batch = Batch(1, "m", [1, 2], [1, 1], [False, False])
-    result, out = BatchRunner(Echo(), "w").run(batch, [b"\xc1", payload.encode(5)[0]])
+    result, out = BatchSteps(Echo(), "w").run(batch, [b"\xc1", payload.encode(5)[0]])
     assert result.statuses == [Status.BAD_REQUEST, Status.OK]
     assert payload.decode(out) == 5

@@ -1,6 +1,6 @@
-"""The generative engine core: add requests (under the caller's ids), call ``step()``; each step runs one
-packed forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
-text: ``engine.GenerativeEngine`` owns it (tokenising, in-process generate) and the engine process shell
+"""The step core: add requests (under the caller's ids), call ``step()``; each step runs one packed
+forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
+text: ``generator.Generator`` owns it (tokenising, in-process generate) and the engine process shell
 (``stages/generate/runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else
 Hugging Face's, unchanged, with our paged attention registered.
 
@@ -43,7 +43,7 @@ class TokenOutput:
 
 
 @dataclass(slots=True)
-class EngineStats:
+class StepStats:
     """Counters since the engine started (the runner reports them with every step's output)."""
 
     steps: int = 0
@@ -58,7 +58,7 @@ class EngineStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class EngineCore:
+class StepCore:
     def __init__(
         self,
         model,
@@ -94,7 +94,7 @@ class EngineCore:
         )
         self.sampler = Sampler(self.eos_ids, config.vocab_size)
         self.sequences: dict[int, Sequence] = {}
-        self._stats = EngineStats()
+        self._stats = StepStats()
         self._block_slots = torch.arange(block_size)  # slot offsets inside a block
         self.upload = Uploader(self.device)  # a step's inputs to the device, one copy
 
@@ -111,7 +111,7 @@ class EngineCore:
         return self.blocks.num_free
 
     @property
-    def stats(self) -> EngineStats:
+    def stats(self) -> StepStats:
         s = self._stats
         s.preemptions = self.scheduler.preemptions
         s.prompt_tokens, s.cached_tokens = self.scheduler.prompt_tokens, self.scheduler.cached_tokens

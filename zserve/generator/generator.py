@@ -1,16 +1,16 @@
-"""The generative engine: one object that loads the model and tokenizer, sizes the KV pool, turns requests
-into token ids and sampling parameters, and owns the ``EngineCore``. The engine process's runner
+"""The generator: one object that loads the model and tokenizer, sizes the KV pool, turns requests into
+token ids and sampling parameters, and owns the ``StepCore``. The generative engine process's runner
 (``stages/generate/runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both
 use it, so there is one tokenisation path.
 
-The engine's ``max_running`` (sequences per step) is also how many sequences the broker admits to it.
+Its ``max_running`` (sequences per step) is also how many sequences the broker admits to it.
 
 The interface of a generative handler (a ``zserve.Model`` with ``generative = True``):
-  * ``setup(device)`` sets ``self.engine`` to a ``GenerativeEngine`` (``GenerativeEngine.load(...)`` builds
+  * ``setup(device)`` sets ``self.generator`` to a ``Generator`` (``Generator.load(...)`` builds
     one from a model folder);
   * ``decode_request(body)`` turns a request body into a ``GenerateRequest``-shaped dict (raising
     ``BadRequest`` naming the field), and ``encode_response(GenerateResponse)`` the answer into its body;
-``zserve.models.causal_lm:CausalLM`` is the one that ships; ``engine_of(model)`` checks the contract.
+``zserve.models.causal_lm:CausalLM`` is the one that ships; ``generator_of(model)`` checks the contract.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, TokenLogprob, TopLogprob
 from zserve.generator import cpu_linear, grammar
 from zserve.generator.detokenize import TextStream
-from zserve.generator.engine_core import EngineCore, head_dim, kv_heads
 from zserve.generator.llama import own_model
 from zserve.generator.sampler import TokenLogprobs
 from zserve.generator.sequence import SamplingParams
+from zserve.generator.step_core import StepCore, head_dim, kv_heads
 
 if TYPE_CHECKING:
     from zserve.generator.tensor_parallel import TensorParallelGroup
@@ -48,7 +48,7 @@ class PreparedPrompt:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineOptions:
+class GeneratorOptions:
     """How the core is sized and scheduled (CausalLM's options of the same names)."""
 
     kv_cache_bytes: int = 0  # 0 = 1 GiB on a CPU, 90% of the free memory on a GPU
@@ -65,12 +65,12 @@ class EngineOptions:
     model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
 
 
-class GenerativeEngine:
+class Generator:
     def __init__(
         self,
         model: Any,
         tokenizer: Any,
-        options: EngineOptions = EngineOptions(),
+        options: GeneratorOptions = GeneratorOptions(),
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """``tensor_parallel``: ``model`` is rank 0's shard of that group (``load`` builds both)."""
@@ -84,7 +84,7 @@ class GenerativeEngine:
         if not num_blocks:
             peak = step_peak_bytes(model, options) if tensor_parallel is None else 0
             num_blocks = pool_blocks(model, options.kv_cache_bytes, options.block_size, tp, peak)
-        self.core = EngineCore(
+        self.core = StepCore(
             model, num_blocks=num_blocks, block_size=options.block_size,
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
             chunked_prefill=options.chunked_prefill, prefix_caching=options.prefix_caching,
@@ -96,8 +96,8 @@ class GenerativeEngine:
 
     @classmethod
     def load(
-        cls, path: str, *, device: str = "cpu", dtype: str = "float32", gguf_file: str = "", options: EngineOptions
-    ) -> GenerativeEngine:
+        cls, path: str, *, device: str = "cpu", dtype: str = "float32", gguf_file: str = "", options: GeneratorOptions
+    ) -> Generator:
         """From a local folder, a hub name or ``package:NAME``; a GGUF file is converted once into a cache
         (transformers' GGUF loader takes ~45 s; the cache loads in about a second). With
         ``options.tensor_parallel`` N > 1 this process becomes rank 0 of a group of N (``tensor_parallel.py``)."""
@@ -274,7 +274,7 @@ class GenerativeEngine:
         return responses
 
 
-def step_peak_bytes(model: Any, options: EngineOptions) -> int:
+def step_peak_bytes(model: Any, options: GeneratorOptions) -> int:
     """On CUDA, the memory a step takes beyond the weights, measured (as vLLM and nano-vllm do) on one whole
     prompt of ``max_batched_tokens`` through a throwaway core: what the KV pool must leave free. Elsewhere 0
     (a CPU's pool has its own budget)."""
@@ -290,11 +290,11 @@ def step_peak_bytes(model: Any, options: EngineOptions) -> int:
     return peak
 
 
-def warm_step(model: Any, options: EngineOptions) -> None:
+def warm_step(model: Any, options: GeneratorOptions) -> None:
     """One step over a whole prompt of ``max_batched_tokens`` (capped at the model's context) on a throwaway
     core and KV pool just big enough for it; the real core plugs its own cache in afterwards."""
     n = min(options.max_batched_tokens, int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30) - 1)
-    core = EngineCore(
+    core = StepCore(
         model, num_blocks=-(-n // options.block_size) + 1, block_size=options.block_size, max_batched_tokens=n,
         chunked_prefill=False, prefix_caching=False, native_decode=options.cpu_attention == "native",
     )  # fmt: skip
@@ -335,12 +335,12 @@ def resolved_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def engine_of(model: Any) -> GenerativeEngine:
-    """The engine of a generative handler after ``setup``; a clear error when it breaks the contract."""
-    engine = getattr(model, "engine", None)
-    if not isinstance(engine, GenerativeEngine):
+def generator_of(model: Any) -> Generator:
+    """The generator of a generative handler after ``setup``; a clear error when it breaks the contract."""
+    generator = getattr(model, "generator", None)
+    if not isinstance(generator, Generator):
         raise TypeError(
-            f"{type(model).__name__} says generative = True, but its setup() did not set self.engine to a "
-            "zserve.generator.engine.GenerativeEngine"
+            f"{type(model).__name__} says generative = True, but its setup() did not set self.generator to a "
+            "zserve.generator.generator.Generator"
         )
-    return engine
+    return generator

@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from zserve.generator import cpu_linear
-from zserve.generator.engine_core import EngineCore
 from zserve.generator.sequence import SamplingParams
+from zserve.generator.step_core import StepCore
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def prompts(k=16, seed=1):
 @pytest.mark.parametrize(
     ("chunked", "num_blocks", "budget", "batched", "packed", "native"),
     # the third forces preemption; the fourth runs decodes as one padded batch, the path GPUs take; the fifth
-    # has its linear layers on oneDNN-prepacked weights (GenerativeEngine.load's default on a CPU); the last
+    # has its linear layers on oneDNN-prepacked weights (Generator.load's default on a CPU); the last
     # attends with torch's SDPA per sequence instead of the C decode kernel
     [(True, 256, 64, False, False, True), (False, 256, 512, False, False, True), (True, 24, 48, False, False, True),
      (True, 256, 64, True, False, True), (True, 24, 48, False, True, True), (True, 24, 48, False, False, False)],
@@ -55,7 +55,7 @@ def test_greedy_matches_generate_with_staggered_arrivals(
     if packed:
         assert cpu_linear.available(model)
         assert cpu_linear.prepack(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
-    engine = EngineCore(
+    engine = StepCore(
         model,
         num_blocks=num_blocks,
         block_size=8,
@@ -88,7 +88,7 @@ def test_greedy_matches_generate_with_staggered_arrivals(
 
 
 def test_abort_frees_blocks_and_stop_tokens_end_a_sequence(reference):
-    engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
+    engine = StepCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [p1, p2] = prompts(2, seed=5)
     greedy = expected(reference, p2, 6)
     a, b = 7, 3
@@ -113,7 +113,7 @@ def test_seeded_sampling_is_reproducible(reference):
     params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=123)
     runs = []
     for _ in range(2):
-        engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
+        engine = StepCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
         seq_id = 0
         engine.add(seq_id, prompts(1)[0], params)
         tokens = []
@@ -145,7 +145,7 @@ def _tiny(family):
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
 def test_other_architectures_run_unchanged_through_the_paged_attention(family):
     model = _tiny(family).eval()
-    engine = EngineCore(copy.deepcopy(model), num_blocks=128, block_size=8, max_batched_tokens=48)
+    engine = StepCore(copy.deepcopy(model), num_blocks=128, block_size=8, max_batched_tokens=48)
     batch = prompts(6, seed=3)
     ids = list(range(len(batch)))
     for i, p in zip(ids, batch, strict=True):
@@ -159,7 +159,7 @@ def test_other_architectures_run_unchanged_through_the_paged_attention(family):
 
 
 def test_a_tiny_temperature_is_greedy_not_a_crash(reference):
-    engine = EngineCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
+    engine = StepCore(copy.deepcopy(reference), num_blocks=64, block_size=8)
     [prompt] = prompts(1, seed=9)
     seq = 1
     engine.add(seq, prompt, SamplingParams(max_new_tokens=5, temperature=1e-30, seed=1))
@@ -176,7 +176,7 @@ def test_a_shared_prefix_is_computed_once_and_output_still_equals_generate(refer
     prefix = [rng.randrange(1, 256) for _ in range(400)]
     batch = [prefix + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 12))] for _ in range(32)]
     n_new = 4
-    engine = EngineCore(copy.deepcopy(reference), num_blocks=160, block_size=16, max_batched_tokens=256)
+    engine = StepCore(copy.deepcopy(reference), num_blocks=160, block_size=16, max_batched_tokens=256)
     for i, prompt in enumerate(batch):
         engine.add(i, prompt, SamplingParams(max_new_tokens=n_new))
     produced: dict[int, list[int]] = {}
@@ -197,7 +197,7 @@ def test_prefix_sharers_under_preemption_and_staggered_arrivals_equal_generate(r
     rng = random.Random(5)
     prefix = [rng.randrange(1, 256) for _ in range(40)]
     batch = [prefix + p for p in prompts(12, seed=8)]
-    engine = EngineCore(copy.deepcopy(reference), num_blocks=24, block_size=8, max_batched_tokens=48)
+    engine = StepCore(copy.deepcopy(reference), num_blocks=24, block_size=8, max_batched_tokens=48)
     produced: dict[int, list[int]] = {}
     pending, steps = list(enumerate(batch)), 0
     while pending or engine.has_work():
@@ -218,7 +218,7 @@ def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(reference):
     [mine, *others] = prompts(6, seed=21)
 
     def run(with_others: bool) -> list[int]:
-        engine = EngineCore(copy.deepcopy(reference), num_blocks=128, block_size=8, max_batched_tokens=64)
+        engine = StepCore(copy.deepcopy(reference), num_blocks=128, block_size=8, max_batched_tokens=64)
         engine.add(0, mine, params)
         if with_others:
             for i, p in enumerate(others, 1):
