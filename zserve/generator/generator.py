@@ -338,6 +338,8 @@ def resolved_dtype(dtype: str, device: str) -> str:
 def generator_of(model: Any) -> Generator:
     """The generator of a generative handler after ``setup``; a clear error when it breaks the contract."""
     generator = getattr(model, "generator", None)
+    if generator is None:  # handlers written before 2026-12-06 set ``self.engine``; still accepted
+        generator = getattr(model, "engine", None)
     if not isinstance(generator, Generator):
         raise TypeError(
             f"{type(model).__name__} says generative = True, but its setup() did not set self.generator to a "
