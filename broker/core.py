@@ -19,12 +19,13 @@ results (``results.py``, which also says how their multi-item messages are lengt
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
-from zserve.batching.workers import InFlightBatch, Worker, WorkerPool
+from zserve.batching.workers import InFlightBatch, WorkerPool
 from zserve.broker import hangs, results
 from zserve.broker.batches import batch_message, prepared_batch_message
 from zserve.broker.health import model_health
@@ -94,6 +95,7 @@ class BrokerCore:
         self._batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}  # None: derived
         self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
         self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
+        self._hang_timeout = functools.partial(hangs.hang_timeout_s, self)  # (worker, stalled_s) -> s
         self.requests = RequestTable()
         self.draining_since: float | None = None
         self.handing_over = False  # stopping to be replaced (a pod's SIGTERM): see start_draining
@@ -361,10 +363,10 @@ class BrokerCore:
     def on_out(self, msg: Msg, frames: list[Any], now: float) -> None:
         if isinstance(msg, StepOutput):
             self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
-            self.on_step(msg, frames, now)
+            results.on_step(self, msg, frames, now)
         elif isinstance(msg, BatchResult):
             self.pool.seen(msg.worker.encode(), now)
-            self.on_result(msg, frames, now)
+            results.on_result(self, msg, frames, now)
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
             known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
@@ -376,12 +378,6 @@ class BrokerCore:
     def _add_busy(self, model: str, role: str, ms: float) -> None:
         key = (model, role)
         self.busy_s[key] = self.busy_s.get(key, 0.0) + ms / 1000.0
-
-    def on_result(self, msg: BatchResult, frames: list[Any], now: float) -> None:
-        results.on_result(self, msg, frames, now)
-
-    def on_step(self, msg: StepOutput, frames: list[Any], now: float) -> None:
-        results.on_step(self, msg, frames, now)
 
     # ---- time ----
 
@@ -398,7 +394,7 @@ class BrokerCore:
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
-        for worker in self.pool.hung(now, self._hang_timeout_s):
+        for worker in self.pool.hung(now, self._hang_timeout):
             hangs.hang(self, worker, now)
         for worker in self.pool.left():
             log.info("worker %s left (pid %d)", worker.name, worker.pid)
@@ -416,9 +412,6 @@ class BrokerCore:
         if configured is not None:
             return configured
         return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
-
-    def _hang_timeout_s(self, worker: Worker, stalled_s: float) -> float:
-        return hangs.hang_timeout_s(self, worker, stalled_s)
 
     def take_kills(self) -> list[tuple[int, str]]:
         """Hung workers to kill: (pid, the name it registered with)."""
@@ -450,15 +443,20 @@ class BrokerCore:
     # ---- health and stopping ----
 
     def _model_health(self, name: str) -> ModelHealth:
-        stats = self.stats[name]
-        return model_health(name, self.pool, self.scheduler, stats, self.busy_s, name in self.generative)
+        generative = name in self.generative
+        return model_health(name, self.pool, self.scheduler, self.stats[name], self.busy_s, generative)
 
     def health(self, query_id: int) -> HealthReport:
         return HealthReport(
             query_id,
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
-            [self._model_health(m.name) for m in self.config.models],
+            [
+                model_health(
+                    m.name, self.pool, self.scheduler, self.stats[m.name], self.busy_s, m.name in self.generative
+                )
+                for m in self.config.models
+            ],
         )
 
     def start_draining(self, now: float, handover: bool = False) -> None:

@@ -18,19 +18,21 @@ def model_health(
 ) -> ModelHealth:
     """One model's line of the HealthReport: its workers, queues, counters and latencies."""
     engines = pool.engines(name)
+    in_flight = pool.in_flight_items(name)
+    batched_cost, padded_cost = scheduler.padding.get(name, (0, 0))
     p50, p90, p99 = stats.latency_ms(0.5, 0.9, 0.99)
     return ModelHealth(
         name,
         ready_workers=len(engines),
         queue_depth=scheduler.depth(name),
-        in_flight=pool.in_flight_items(name),
-        busy_workers=pool.busy_count(name),
+        in_flight=in_flight,
+        busy_workers=sum(1 for w in engines if w.in_flight),
         preprocess_workers=pool.ready_count(name, PREPROCESS),
         prepared_depth=scheduler.prepared_depth(name),
         engine_busy_s=busy_s.get((name, ENGINE), 0.0),
         preprocess_busy_s=busy_s.get((name, PREPROCESS), 0.0),
         generative=generative,
-        running_sequences=pool.in_flight_items(name) if generative else 0,
+        running_sequences=in_flight if generative else 0,
         free_kv_blocks=sum(w.free_kv_blocks for w in engines),
         kv_blocks=sum(w.kv_blocks for w in engines),
         engine_steps=stats.engine_steps,
@@ -45,7 +47,7 @@ def model_health(
         latency_p50_ms=p50,
         latency_p90_ms=p90,
         latency_p99_ms=p99,
-        batched_cost=scheduler.padding.get(name, (0, 0))[0],
-        padded_cost=scheduler.padding.get(name, (0, 0))[1],
+        batched_cost=batched_cost,
+        padded_cost=padded_cost,
         workers_hung=stats.workers_hung,
     )

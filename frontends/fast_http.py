@@ -30,7 +30,7 @@ import gunicorn_h1c
 
 from zserve.frontends import gunicorn_internals
 from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, PendingRequest, error_response
-from zserve.frontends.fast_state import ConnState, Event, advance
+from zserve.frontends.fast_state import ENDING, ConnState, Event, advance
 from zserve.frontends.resources import PredictRoute
 
 log = logging.getLogger("zserve.frontend")
@@ -49,13 +49,7 @@ LINGER_S = 2.0
 # The states, as module names: compared on the hot path (a global load and an identity test each).
 READING, HOLDING, HOLD_RESUMING = ConnState.READING, ConnState.HOLDING, ConnState.HOLD_RESUMING
 HANDING_OVER, HANDOVER_SCHEDULED = ConnState.HANDING_OVER, ConnState.HANDOVER_SCHEDULED
-FINAL, LINGER, CLOSING, LINGERING, CLOSED = (
-    ConnState.FINAL,
-    ConnState.LINGER,
-    ConnState.CLOSING,
-    ConnState.LINGERING,
-    ConnState.CLOSED,
-)
+FINAL, LINGER, CLOSED = ConnState.FINAL, ConnState.LINGER, ConnState.CLOSED
 
 
 class FastHttpProtocol(asyncio.Protocol):
@@ -265,7 +259,7 @@ class FastHttpProtocol(asyncio.Protocol):
         """Write every answered request at the head of the queue (answers leave in arrival order)."""
         queue = self.queue
         state = self.state
-        if state is CLOSING or state is LINGERING or state is CLOSED or not queue or queue[0].out is None:
+        if state in ENDING or not queue or queue[0].out is None:
             return
         transport = self.transport
         worker = self.worker
@@ -300,7 +294,7 @@ class FastHttpProtocol(asyncio.Protocol):
     def _hand_over(self) -> None:
         """Give the connection, with the unanswered request's bytes, to gunicorn's ASGI protocol."""
         state = self.state
-        if state is CLOSING or state is LINGERING or state is CLOSED:
+        if state in ENDING:
             return
         raw, self._raw = b"".join(self._raw or ()), None
         self._advance(Event.HANDED_OVER)
@@ -349,7 +343,7 @@ class FastHttpProtocol(asyncio.Protocol):
         a client may be sending on it right now (closing would fail that request); a request that arrives
         then is answered with ``Connection: close``, as gunicorn's own protocol does."""
         state = self.state
-        if self.queue or state is CLOSING or state is LINGERING or state is CLOSED:
+        if self.queue or state in ENDING:
             return
         if self.seen:
             self.seen = False

@@ -298,6 +298,11 @@ class ChatCompletionsResource(_OpenAIRoute):
     answer_type = ChatCompletion
     chunk_type = ChatCompletionChunk
 
+    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+        super().__init__(client, handlers, max_body_bytes)
+        # each model's tool-call parser for tool_choice auto, once (``auto`` reads its chat template's file)
+        self.tool_parsers = {name: openai_params.tool_parser(model) for name, model in self.models.items()}
+
     def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
         sampling = openai_params.sampling_options(
             body, None, openai_params.max_running(model)
@@ -336,7 +341,7 @@ class ChatCompletionsResource(_OpenAIRoute):
         if isinstance(choice, tool_calls.Function):
             mode, name = "named", choice.name
         else:
-            mode, name = ("required" if choice == "required" else openai_params.tool_parser(model)), ""
+            mode, name = ("required" if choice == "required" else self.tool_parsers[body["model"]]), ""
         return [_ChoiceState(tools=tool_calls.ToolCallStream(mode, name=name, parallel=parallel), announce=n > 1)
                 for _ in range(len(prompts) * n)]  # fmt: skip
 

@@ -130,16 +130,11 @@ def tooling(body: dict[str, Any]) -> tuple[list[tool_calls.Function], str | tool
         "parallel_tool_calls") is not False  # fmt: skip
 
 
-_TEMPLATE_PARSERS: dict[str, str] = {}  # model path -> the parser its chat template calls for
-
-
 def tool_parser(model: Model) -> str:
-    """The model's ``tool_parser`` option; ``auto``: by its chat template (read once), hermes if unknown."""
+    """The model's ``tool_parser`` option; ``auto``: by its chat template (read from its files: call it once
+    per model, not per request), hermes if unknown."""
     choice = str(model.options.get("tool_parser", "auto"))
     if choice != "auto":
         return choice
-    key = str(model.options.get("path"))
-    if key not in _TEMPLATE_PARSERS:
-        read = getattr(model, "chat_template", None)
-        _TEMPLATE_PARSERS[key] = tool_calls.parser_for_template(read() if read else None)
-    return _TEMPLATE_PARSERS[key]
+    read = getattr(model, "chat_template", None)
+    return tool_calls.parser_for_template(read() if read else None)

@@ -21,6 +21,7 @@ text goes out as it comes, except the whitespace just before a call or at the en
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -29,7 +30,6 @@ from typing import Any
 
 from zserve.errors import BadRequest
 
-PARSERS = ("auto", "hermes", "llama3")  # a CausalLM's `tool_parser` option; auto: from the chat template
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function name
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -88,14 +88,25 @@ def _check_schema(schema: Any, where: str) -> None:
         raise BadRequest(f"{where} must be a JSON schema object", field="tools")
     if schema.get("type", "object") != "object":
         raise BadRequest(f"{where} must describe an object (type: object)", field="tools")
+    error = _schema_error(json.dumps(schema, sort_keys=True))
+    if error is not None:
+        raise BadRequest(f"{where} is not a valid JSON schema: {error}", field="tools")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema_json: str) -> str | None:
+    """jsonschema's complaint about a schema (JSON text), or None. Cached: a check costs ~1 ms, and agent
+    loops send the same tools on every turn."""
     try:
         from jsonschema import exceptions, validators
     except ImportError:  # not a dependency: the grammar compiler still refuses what it cannot compile
-        return
+        return None
+    schema = json.loads(schema_json)
     try:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as exc:
-        raise BadRequest(f"{where} is not a valid JSON schema: {exc.message}", field="tools") from None
+        return exc.message
+    return None
 
 
 def check_tool_choice(choice: Any, functions: list[Function]) -> str | Function:

@@ -118,10 +118,15 @@ class Deployment:
     worker_host: str = ""
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """The frontends' host:port (an IPv6 host in brackets)."""
         f = self.config.frontends
         host = f"[{f.host}]" if ":" in f.host else f.host
-        return f"http://{host}:{f.port}"
+        return f"{host}:{f.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
 
     def children(self) -> list[ChildSpec]:
         """Every process, in start order (the frontend binds host:port itself; see ``frontend``)."""
@@ -197,8 +202,7 @@ class Deployment:
         that a master that dies and restarts refuses no connection: they wait in the backlog), or binding
         host:port itself. Its settings come from ``frontend_env`` when it starts."""
         f = self.config.frontends
-        host = f"[{f.host}]" if ":" in f.host else f.host
-        bind = f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{f.port}"
+        bind = f"fd://{listen_fd}" if listen_fd is not None else self.address
         pid_file = self.run_dir / f"gunicorn-{f.port}.pid"  # one run dir may serve several ports
         argv = [sys.executable, "-m", "gunicorn", "--worker-class", WORKER_CLASS, "--workers", str(f.workers),
                 "--bind", bind, "--no-control-socket", "--http-parser", "fast",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zserve.client import Client
 from zserve.config import Config, ConfigError
-from zserve.plan import CHILD_ENV, ChildSpec, plan
+from zserve.plan import ChildSpec, plan
 from zserve.supervisor import StartupError, lock_run_dir, wait_for, workers_registered
 
 
@@ -98,7 +98,7 @@ def render(config: Config, config_path: str | os.PathLike[str], state_dir: Path,
             f"stdout_logfile={d}/{_escape(child.name)}.log",
             "stdout_logfile_maxbytes=50MB",
             "stdout_logfile_backups=5",
-            f"environment={_environment({**CHILD_ENV, **child.env})}",
+            f"environment={_environment(child.environ({}))}",
             "",
         ]
     return "\n".join(lines)

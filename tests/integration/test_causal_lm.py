@@ -100,6 +100,9 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
     with pytest.raises(zserve.BadRequest) as info:
         pipe(["x"], temperature=-1)
     assert info.value.field == "temperature"
+    with pytest.raises(zserve.BadRequest) as info:  # vLLM's limit of 20 alternatives, for prompt logprobs too
+        pipe.model.decode_request({"prompt": "x", "prompt_logprobs": 21})
+    assert info.value.field == "prompt_logprobs"
 
 
 def test_serve_refuses_a_model_defined_in_main():
