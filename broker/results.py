@@ -138,7 +138,8 @@ def on_step(core: BrokerCore, msg: StepOutput, frames: list[Any], now: float) ->
         text = msg.texts[i]
         if text and request.stream:
             request.chunks_sent += 1
-            core._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i]))
+            logprobs = msg.logprobs[i] if i < len(msg.logprobs) else []
+            core._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i], logprobs))
         if finished:
             status, message, field_name, start, stop = row
             stats = core.stats[request.model]

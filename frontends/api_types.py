@@ -293,7 +293,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
-    logprobs: ChatLogprobs | None  # a choice's whole logprobs, with its last chunk (not yet token by token)
+    logprobs: ChatLogprobs | None  # those of the chunk's tokens
     finish_reason: str | None
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from zserve.client.pending import answer_of
 from zserve.frontends.resources import PredictRoute, error_body, request_error
 from zserve.model import Model
-from zserve.protocol import Reply
+from zserve.protocol import Chunk, Reply
 
 if TYPE_CHECKING:
     from zserve.frontends.fast_http import FastHttpProtocol
@@ -75,7 +75,7 @@ class PendingRequest:
 
     # ---- Waiter (called by the client's pending table; must not raise) ----
 
-    def chunk(self, text: str) -> None:  # predict requests do not stream
+    def chunk(self, chunk: Chunk) -> None:  # predict requests do not stream
         pass
 
     def reply(self, reply: Reply, frames: list[Any]) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import falcon
@@ -21,7 +21,7 @@ import msgspec
 
 from zserve.client import AsyncClient, AsyncGenerationStream
 from zserve.errors import BadRequest, ZserveError
-from zserve.frontends import metrics, openai_params, tool_calls
+from zserve.frontends import metrics, openai_logprobs, openai_params, tool_calls
 from zserve.frontends.api_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -29,21 +29,17 @@ from zserve.frontends.api_types import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
-    ChatLogprobs,
     ChatMessageOut,
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     FunctionCall,
     FunctionCallDelta,
     MiiRequest,
     OpenAIError,
     OpenAIErrorDetail,
-    TokenLogprobOut,
     ToolCall,
     ToolCallDelta,
-    TopLogprobOut,
     Usage,
     decode_body,
 )
@@ -55,7 +51,7 @@ from zserve.frontends.resources import (
     read_json,
     set_error,
 )
-from zserve.generation import GenerateResponse
+from zserve.generation import GenerateResponse, TokenLogprob
 from zserve.model import Model
 
 _json = msgspec.json.Encoder()
@@ -64,12 +60,35 @@ _json = msgspec.json.Encoder()
 @dataclass
 class _ChoiceState:
     """What a route keeps per choice while answering: the text it starts with (completions' ``echo``), its
-    tool-call parser (chat with tools), whether a streamed chunk went out yet."""
+    tool-call parser (chat with tools), whether a streamed chunk went out yet, its streamed logprobs."""
 
     prefix: str = ""
     tools: tool_calls.ToolCallStream | None = None
     started: bool = False
     announce: bool = False  # stream a first (role) chunk even without text: n > 1
+    # completions' echo: every logprob with the last chunk, the prompt's first (they are known only whole)
+    whole_logprobs: bool = False
+    held: list[TokenLogprob] = field(default_factory=list)  # logprobs received, not yet in a chunk
+    logprobs_out: int = 0  # logprobs that went out in chunks
+    text_out: int = 0  # characters of the choice's text that went out in chunks (completions' text_offset)
+
+    def hold(self, tokens: list[TokenLogprob]) -> None:
+        if not self.whole_logprobs:
+            self.held += tokens
+
+    def chunk_logprobs(self, tokens: list[TokenLogprob], end: GenerateResponse | None) -> list[TokenLogprob] | None:
+        """The logprobs the next chunk carries: its tokens' and those held back; with the last chunk
+        (``end``) every one that has not gone out. None when there are none or they were not asked."""
+        self.hold(tokens)
+        if end is not None and end.logprobs is not None:
+            out = end.logprobs[self.logprobs_out :]
+        elif end is None and self.held:
+            out = self.held
+        else:
+            return None
+        self.held = []
+        self.logprobs_out += len(out)
+        return out or None
 
 
 class _GenerateRoute:
@@ -177,17 +196,23 @@ class _OpenAIRoute(_GenerateRoute):
     def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> Any:
         raise NotImplementedError
 
-    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> Any:
-        """A streamed chunk's choice; ``end``: the choice's whole response, with its last chunk."""
+    def _delta(self, index: int, text: str | None, state: _ChoiceState, logprobs: list[TokenLogprob] | None,
+               end: GenerateResponse | None) -> Any:  # fmt: skip
+        """A streamed chunk's choice, with the logprobs of its tokens; ``end``: the choice's whole response,
+        with its last chunk."""
         raise NotImplementedError
 
-    def _deltas(self, index: int, text: str, end: GenerateResponse | None, state: _ChoiceState) -> list[Any]:
-        """The chunk choices for a choice's new ``text`` (and its end): one, or none for a first chunk with
-        nothing to say."""
+    def _deltas(self, index: int, text: str, tokens: list[TokenLogprob], end: GenerateResponse | None,
+                state: _ChoiceState) -> list[Any]:  # fmt: skip
+        """The chunk choices for a choice's new ``text`` (``tokens``: their logprobs, when asked) or its end:
+        one, or none for a first chunk with nothing to say."""
         if not text and end is None and not state.started and not state.announce:
+            state.hold(tokens)
             return []
-        out = [self._delta(index, text if text or end is None else None, not state.started, end)]
+        logprobs = state.chunk_logprobs(tokens, end)
+        out = [self._delta(index, text if text or end is None else None, state, logprobs, end)]
         state.started = True
+        state.text_out += len(text)
         return out
 
     def _event(self, meta: dict[str, Any], choices: list[Any], usage: Usage | None = None) -> falcon.asgi.SSEvent:
@@ -209,15 +234,15 @@ class _OpenAIRoute(_GenerateRoute):
         async def pump(index: int, stream: AsyncGenerationStream) -> None:
             try:
                 async for text in stream:
-                    news.put_nowait((index, text))
+                    news.put_nowait((index, (text, stream.delta_logprobs)))
                 news.put_nowait((index, stream.response))
             except ZserveError as exc:
                 news.put_nowait((index, exc))
 
         pumps: list[asyncio.Task] = []
         try:
-            for i, first in enumerate(firsts):
-                for choice in self._deltas(i, states[i].prefix + (first or ""), None, states[i]):
+            for i, (first, tokens) in enumerate(firsts):
+                for choice in self._deltas(i, states[i].prefix + first, tokens, None, states[i]):
                     yield self._event(meta, [choice])
             pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
             ended: list[GenerateResponse] = []
@@ -225,11 +250,11 @@ class _OpenAIRoute(_GenerateRoute):
                 index, item = await news.get()
                 if isinstance(item, ZserveError):
                     raise item
-                if isinstance(item, str):
-                    choices = self._deltas(index, item, None, states[index])
+                if isinstance(item, tuple):
+                    choices = self._deltas(index, *item, None, states[index])
                 else:
                     ended.append(item)
-                    choices = self._deltas(index, "", item, states[index])
+                    choices = self._deltas(index, "", [], item, states[index])
                 for choice in choices:
                     yield self._event(meta, [choice])
             if usage:
@@ -246,12 +271,12 @@ class _OpenAIRoute(_GenerateRoute):
         yield falcon.asgi.SSEvent(data=b"[DONE]")
 
 
-async def _first(stream: AsyncGenerationStream) -> str | None:
-    """A stream's first text, None when it finished without any."""
+async def _first(stream: AsyncGenerationStream) -> tuple[str, list[TokenLogprob]]:
+    """A stream's first text and its tokens' logprobs; nothing when it finished without text."""
     try:
-        return await anext(stream)
+        return await anext(stream), stream.delta_logprobs
     except StopAsyncIteration:
-        return None
+        return "", []
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -279,15 +304,20 @@ class CompletionsResource(_OpenAIRoute):
 
     def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
         echo = bool(body.get("echo"))
-        return [_ChoiceState(prefix=p["prompt"] if echo else "", announce=n > 1) for p in prompts for _ in range(n)]
+        return [_ChoiceState(prefix=p["prompt"] if echo else "", announce=n > 1, whole_logprobs=echo)
+                for p in prompts for _ in range(n)]  # fmt: skip
 
     def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> CompletionChoice:
-        logprobs = None if response.logprobs is None else _completion_logprobs(response, len(state.prefix))
+        logprobs = None if response.logprobs is None else openai_logprobs.completion(response, len(state.prefix))
         return CompletionChoice(index, state.prefix + response.generated_text, logprobs, response.finish_reason)
 
-    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> CompletionChoice:
-        logprobs = None if end is None or end.logprobs is None else _completion_logprobs(end, 0)
-        return CompletionChoice(index, text or "", logprobs, end.finish_reason if end else None)
+    def _delta(self, index: int, text: str | None, state: _ChoiceState, logprobs: list[TokenLogprob] | None,
+               end: GenerateResponse | None) -> CompletionChoice:  # fmt: skip
+        if state.whole_logprobs and end is not None and end.logprobs is not None:
+            out = openai_logprobs.completion(end, len(state.prefix))
+        else:
+            out = None if logprobs is None else openai_logprobs.completion_of([], logprobs, state.text_out)
+        return CompletionChoice(index, text or "", out, end.finish_reason if end else None)
 
 
 class ChatCompletionsResource(_OpenAIRoute):
@@ -348,35 +378,43 @@ class ChatCompletionsResource(_OpenAIRoute):
     def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> ChatChoice:
         if state.tools is None:
             message = ChatMessageOut("assistant", response.generated_text)
-            return ChatChoice(index, message, _chat_logprobs(response), response.finish_reason)
+            return ChatChoice(index, message, openai_logprobs.chat(response.logprobs), response.finish_reason)
         content, calls = tool_calls.whole(state.tools, response.generated_text)
         out = [ToolCall(c["id"], "function", FunctionCall(**c["function"])) for c in calls]
         message = ChatMessageOut("assistant", content, out)
-        return ChatChoice(index, message, _chat_logprobs(response), _finish_reason(response, state))
+        return ChatChoice(index, message, openai_logprobs.chat(response.logprobs), _finish_reason(response, state))
 
-    def _deltas(self, index: int, text: str, end: GenerateResponse | None, state: _ChoiceState) -> list[Any]:
+    def _deltas(self, index: int, text: str, tokens: list[TokenLogprob], end: GenerateResponse | None,
+                state: _ChoiceState) -> list[Any]:  # fmt: skip
         if state.tools is None:
-            return super()._deltas(index, text, end, state)
+            return super()._deltas(index, text, tokens, end, state)
         pieces = (state.tools.feed(text) if text else []) + (state.tools.finish() if end is not None else [])
         deltas = [_piece_delta(p) for p in pieces]
         if not deltas and end is None and not state.started and state.announce:
             deltas = [ChatDelta()]
         out = [ChatChunkChoice(index, d, None, None) for d in deltas]
+        if out and end is None:  # a call's text is held until it parses: its tokens' logprobs wait with it
+            out[0].logprobs = openai_logprobs.chat(state.chunk_logprobs(tokens, None))
+        else:
+            state.hold(tokens)
         if end is not None:
-            out.append(ChatChunkChoice(index, ChatDelta(), _chat_logprobs(end), _finish_reason(end, state)))
+            logprobs = openai_logprobs.chat(state.chunk_logprobs([], end))
+            out.append(ChatChunkChoice(index, ChatDelta(), logprobs, _finish_reason(end, state)))
         if out and not state.started:
             out[0].delta.role = "assistant"
         state.started = state.started or bool(out)
         return out
 
-    def _delta(self, index: int, text: str | None, first: bool, end: GenerateResponse | None) -> ChatChunkChoice:
-        delta = ChatDelta(role="assistant" if first else None, content=text)
-        logprobs = _chat_logprobs(end) if end is not None else None
-        return ChatChunkChoice(index, delta, logprobs, end.finish_reason if end else None)
+    def _delta(self, index: int, text: str | None, state: _ChoiceState, logprobs: list[TokenLogprob] | None,
+               end: GenerateResponse | None) -> ChatChunkChoice:  # fmt: skip
+        delta = ChatDelta(role=None if state.started else "assistant", content=text)
+        return ChatChunkChoice(index, delta, openai_logprobs.chat(logprobs), end.finish_reason if end else None)
 
 
 def _finish_reason(response: GenerateResponse, state: _ChoiceState) -> str:
-    if state.tools is not None and state.tools.calls and response.finish_reason == "stop":
+    """OpenAI's: "tool_calls" when the model chose to call (auto, required); a named tool_choice "stop"."""
+    tools = state.tools
+    if tools is not None and tools.calls and tools.mode != "named" and response.finish_reason == "stop":
         return "tool_calls"
     return response.finish_reason
 
@@ -389,36 +427,6 @@ def _piece_delta(piece: tool_calls.Piece) -> ChatDelta:
     else:
         call = ToolCallDelta(piece.index, function=FunctionCallDelta(arguments=piece.arguments))
     return ChatDelta(tool_calls=[call])
-
-
-def _chat_logprobs(response: GenerateResponse) -> ChatLogprobs | None:
-    if response.logprobs is None:
-        return None
-    return ChatLogprobs([
-        TokenLogprobOut(t.token, t.logprob, list(t.token.encode()),
-                        [TopLogprobOut(a.token, a.logprob, list(a.token.encode())) for a in t.top_logprobs])
-        for t in response.logprobs
-    ])  # fmt: skip
-
-
-def _completion_logprobs(response: GenerateResponse, offset: int) -> CompletionLogprobs:
-    """The choice's logprobs; its generated text starts at ``offset`` of the choice's text (after the echoed
-    prompt, whose tokens come first when the response has their logprobs)."""
-    out = CompletionLogprobs([], [], [], [])
-    prompt_offset = 0
-    for p in response.prompt_logprobs or []:
-        out.tokens.append(p.token)
-        out.token_logprobs.append(p.logprob)
-        out.top_logprobs.append(None if p.logprob is None else {a.token: a.logprob for a in p.top_logprobs})
-        out.text_offset.append(prompt_offset)
-        prompt_offset += len(p.token)
-    for t in response.logprobs or []:
-        out.tokens.append(t.token)
-        out.token_logprobs.append(t.logprob)
-        out.top_logprobs.append({a.token: a.logprob for a in t.top_logprobs})
-        out.text_offset.append(offset)
-        offset += len(t.token)
-    return out
 
 
 class MiiResource(_GenerateRoute):

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from zserve.errors import BadRequest
+from zserve.protocol import TokenLogprob, TopLogprob
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -62,19 +63,6 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
             raise ValueError("give exactly one of `prompt` and `messages` - at `$.prompt`")
         if self.messages is not None and not self.messages:
             raise ValueError("`messages` must not be empty - at `$.messages`")
-
-
-class TopLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-
-
-class TokenLogprob(msgspec.Struct):
-    """A generated token (its text alone), its log-probability, and the most likely tokens at its place."""
-
-    token: str
-    logprob: float
-    top_logprobs: list[TopLogprob]
 
 
 class PromptLogprob(msgspec.Struct):

@@ -64,6 +64,20 @@ class Reply(Msg, tag=3):
     compute_ms: float = 0.0  # time the batch spent in the worker
 
 
+class TopLogprob(msgspec.Struct, gc=False):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, gc=False):
+    """A generated token (its text alone), its log-probability, and the most likely tokens at its place (in
+    a streamed Chunk, and in a generative model's response)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
 class Chunk(Msg, tag=6):
     """Broker -> client, for a streamed generative request: text produced since the last Chunk. The
     request ends with its one Reply (the whole response), as every request does."""
@@ -71,6 +85,9 @@ class Chunk(Msg, tag=6):
     req_id: int
     text: str
     num_tokens: int = 0  # tokens generated so far
+    # when the request asked for logprobs: those of the tokens generated since the last Chunk whose text
+    # went out (a token's text can be held back, by a stop string or an incomplete character)
+    logprobs: list[TokenLogprob] = []
 
 
 # Coalesced messages: every hop sends what it has for a peer in one multipart message (one header, then the
@@ -261,6 +278,7 @@ class StepOutput(Msg, tag=27):
     preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens admitted (a recomputed sequence counts again)
     cached_prompt_tokens: int = 0  # of those, found in the prefix cache (not computed)
+    logprobs: list[list[TokenLogprob]] = []  # per entry, when any asked: as Chunk.logprobs (streamed only)
 
 
 Message = (

@@ -83,11 +83,13 @@ class _Output:
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
     prompt_ids: list[int] | None = None  # when the request asked for prompt logprobs
     prompt_logprobs: list[PromptLogprob] | None = None
+    logprobs_streamed: int = 0  # of ``logprobs``, those that went out with streamed text
 
 
 @dataclass(slots=True)
 class _Entry:
     text: str = ""
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # those of ``text``'s tokens
     num_tokens: int = 0
     finished: bool = False
     status: Status = Status.OK
@@ -267,8 +269,11 @@ class GenerationRunner:
                 self.inbox.put(("abort", [batch_id]))
             entry = entries.setdefault(batch_id, _Entry())
             entry.num_tokens = seq.num_tokens
-            if seq.stream:
+            if seq.stream and delta:
                 entry.text += delta
+                if seq.logprobs is not None:
+                    entry.logprobs += seq.logprobs[seq.logprobs_streamed :]
+                    seq.logprobs_streamed = len(seq.logprobs)
             if reason:
                 del sequences[batch_id]
                 entry.finished = True
@@ -302,5 +307,6 @@ class GenerationRunner:
             last.preemptions if last else 0,
             last.prompt_tokens if last else 0,
             last.cached_tokens if last else 0,
+            [e.logprobs for e in picked] if any(e.logprobs for e in picked) else [],
         )
         return [codec.encode(header), *pack([f for e in picked for f in e.frames])]

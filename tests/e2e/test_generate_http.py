@@ -138,13 +138,22 @@ def test_chat_logprobs_and_completion_logprobs(oai):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
     chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
                                               logprobs=True, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
-    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    carrying = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
+    streamed = [t for c in carrying for t in c.logprobs.content]
     assert [t.logprob for t in streamed] == [t.logprob for t in content]
-    out = oai.completions.create(model="tiny", prompt="DeepSpeed is", max_tokens=6, temperature=0, logprobs=2,
-                                 extra_body={"ignore_eos": True})  # fmt: skip
+    assert len(carrying) > 1 and carrying[0].delta.content  # token by token, each with its chunk's text
+    assert all(c.delta.content or c.finish_reason for c in carrying)  # a token's logprobs go with its text
+    args = {"model": "tiny", "prompt": "DeepSpeed is", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    out = oai.completions.create(**args)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    events = [e.choices[0] for e in oai.completions.create(stream=True, **args) if e.choices and e.choices[0].logprobs]
+    assert len(events) > 1
+    assert [t for e in events for t in e.logprobs.tokens] == lp.tokens
+    assert [o for e in events for o in e.logprobs.text_offset] == lp.text_offset
+    assert [x for e in events for x in e.logprobs.token_logprobs] == lp.token_logprobs
 
 
 def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_as_hf_computes_them(oai, tiny_path):
@@ -171,6 +180,11 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_as_hf_computes_them
         top = torch.topk(expected[p], 3).indices.tolist()
         assert set(lp.top_logprobs[p + 1]) == {tokenizer.decode([t]) for t in top}
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 4
+    events = list(oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                         echo=True, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    [last] = [e.choices[0] for e in events if e.choices and e.choices[0].logprobs]  # the prompt's come first
+    assert last.finish_reason == "length" and last.logprobs.tokens == lp.tokens
+    assert last.logprobs.text_offset == lp.text_offset and "".join(e.choices[0].text for e in events) == choice.text
 
 
 def test_n_choices_are_seeded_each_and_usage_counts_every_choice(oai):

@@ -71,7 +71,7 @@ def test_forced_calls_parse_against_the_schema(oai):
               "max_tokens": 60}  # fmt: skip
         out = oai.chat.completions.create(**kw, tool_choice=named)
         [(name, arguments)] = _calls(out.choices[0].message)
-        assert name == "get_weather" and out.choices[0].finish_reason == "tool_calls"
+        assert name == "get_weather" and out.choices[0].finish_reason == "stop"  # OpenAI's for a named choice
         jsonschema.validate(json.loads(arguments), PARAMS)
         out = oai.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)
         [(name, arguments)] = _calls(out.choices[0].message)
@@ -88,6 +88,10 @@ def test_auto_parses_the_models_own_hermes_call_streamed_or_not(oai):
     assert message.tool_calls[0].id.startswith("call_")
     assert _streamed(oai, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60) == (
         None, _calls(message), "tool_calls")  # fmt: skip
+    kw = {"messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 60, "logprobs": True}
+    chunks = list(oai.chat.completions.create(model="tiny", stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(streamed) == chunks[-1].usage.completion_tokens  # a call's tokens' logprobs come with the call
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         kw = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": choice, "temperature": 1.0, "seed": 3,
               "max_tokens": 60}  # fmt: skip

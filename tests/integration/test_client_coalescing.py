@@ -15,7 +15,7 @@ import zmq
 from zserve import AsyncClient, BadRequest, Client, ZserveError
 from zserve.client.pending import answer_of
 from zserve.frames import pack, unpack
-from zserve.protocol import Codec, Replies, Reply, Status, Submits
+from zserve.protocol import Chunk, Codec, Replies, Reply, Status, Submits
 
 
 class FakeBroker:
@@ -121,7 +121,7 @@ class Collect:
         self.got: list = []
         self.done, self.expected = done, expected
 
-    def chunk(self, text: str) -> None:
+    def chunk(self, chunk: Chunk) -> None:
         raise AssertionError("predict requests do not stream")
 
     def reply(self, reply: Reply, frames: list) -> None:

@@ -13,8 +13,8 @@ class Recorder:
         self.replies: list[tuple[Reply, list]] = []
         self.errors: list[Exception] = []
 
-    def chunk(self, text: str) -> None:
-        self.texts.append(text)
+    def chunk(self, chunk: Chunk) -> None:
+        self.texts.append(chunk.text)
 
     def reply(self, reply: Reply, frames: list) -> None:
         self.replies.append((reply, frames))

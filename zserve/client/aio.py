@@ -22,7 +22,7 @@ from zserve.errors import BrokerUnavailable, ZserveError
 from zserve.frames import received
 from zserve.generation import GenerateResponse
 from zserve.keys import AuthenticationFailed, CurveKeys
-from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit
+from zserve.protocol import Cancel, Chunk, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
 
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: combining zmq's Flag enums costs more than the send
@@ -35,7 +35,7 @@ class _FutureWaiter:
     def __init__(self, future: asyncio.Future) -> None:
         self.future = future
 
-    def chunk(self, text: str) -> None:
+    def chunk(self, chunk: Chunk) -> None:
         pass
 
     def reply(self, reply: Reply, frames: list[Any]) -> None:

@@ -24,7 +24,7 @@ import msgspec
 
 from zserve import payload
 from zserve.errors import BrokerUnavailable, DeadlineExceeded, EngineLost, ModelError, ZserveError, error_for
-from zserve.protocol import Chunks, HealthReport, Msg, Replies, Reply, Status, Submit
+from zserve.protocol import Chunk, Chunks, HealthReport, Msg, Replies, Reply, Status, Submit
 
 log = logging.getLogger("zserve.client")
 
@@ -53,7 +53,7 @@ def answer_of(reply: Reply, frames: list[Any]) -> Answer:
 class Waiter(Protocol):
     """Who waits for one request. Called by the table, at most one of ``reply``/``fail``, once."""
 
-    def chunk(self, text: str) -> None: ...  # streamed requests: new text
+    def chunk(self, chunk: Chunk) -> None: ...  # streamed requests: new text (and its logprobs)
 
     def reply(self, reply: Reply, frames: list[Any]) -> None: ...
 
@@ -122,7 +122,7 @@ class PendingTable:
                 entry = self._entries.get(chunk.req_id)
                 if entry is not None:
                     entry.streamed = True
-                    entry.waiter.chunk(chunk.text)
+                    entry.waiter.chunk(chunk)
         elif isinstance(msg, HealthReport):
             self.last_heard_s = now
             restarted = self.epoch is not None and msg.epoch != self.epoch

@@ -15,7 +15,7 @@ import msgspec
 from zserve.client.pending import Answer, answer_of
 from zserve.errors import ModelError, ZserveError
 from zserve.generation import GenerateResponse
-from zserve.protocol import Reply
+from zserve.protocol import Chunk, Reply, TokenLogprob
 
 END = object()  # a sync stream's last item: the reply is in its future
 
@@ -46,8 +46,10 @@ class GenerationStream:
         self._model = model
         self._future = future
         self._cancel = cancel
-        self.chunks = chunks  # text deltas, then END (filled by the client's IO thread)
+        self.chunks = chunks  # Chunks, then END (filled by the client's IO thread)
         self.response: GenerateResponse | None = None
+        # the logprobs of the tokens of the delta last returned, when the request asked for logprobs
+        self.delta_logprobs: list[TokenLogprob] = []
 
     def __iter__(self) -> Iterator[str]:
         # a generator, so that leaving a ``for`` loop early (break, an exception) cancels at once
@@ -67,7 +69,8 @@ class GenerationStream:
         if item is END:
             self.response = response_of(self._model, self._future.result())
             raise StopIteration
-        return item
+        self.delta_logprobs = item.logprobs
+        return item.text
 
     def close(self) -> None:
         """Stop early: the request is cancelled and the engine frees its blocks."""
@@ -98,11 +101,13 @@ class AsyncGenerationStream:
         self._done = False
         self.response: GenerateResponse | None = None
         self.answer: Answer | None = None  # the Reply's, with serving metadata
+        # the logprobs of the tokens of the delta last returned, when the request asked for logprobs
+        self.delta_logprobs: list[TokenLogprob] = []
 
     # ---- the waiter side (called by the pending table) ----
 
-    def chunk(self, text: str) -> None:
-        self._items.put_nowait(text)
+    def chunk(self, chunk: Chunk) -> None:
+        self._items.put_nowait(chunk)
 
     def reply(self, reply: Reply, frames: list[Any]) -> None:
         self._items.put_nowait((reply, frames))
@@ -125,8 +130,9 @@ class AsyncGenerationStream:
         except asyncio.CancelledError:
             await self.aclose()
             raise
-        if isinstance(item, str):
-            return item
+        if isinstance(item, Chunk):
+            self.delta_logprobs = item.logprobs
+            return item.text
         self._done = True
         if isinstance(item, ZserveError):
             raise item

@@ -23,7 +23,7 @@ from zserve.errors import BrokerUnavailable, Cancelled, ZserveError
 from zserve.frames import pack, received
 from zserve.generation import GenerateResponse
 from zserve.keys import AuthenticationFailed, CurveKeys
-from zserve.protocol import Cancel, Codec, HealthQuery, HealthReport, Reply, Submit, Submits
+from zserve.protocol import Cancel, Chunk, Codec, HealthQuery, HealthReport, Reply, Submit, Submits
 from zserve.transport import make_socket
 
 # The CURVE handshake failed: our key is not authorized, or the broker key is not that broker's.
@@ -47,9 +47,9 @@ class _FutureWaiter:
         self.meta = meta
         self.chunks = chunks
 
-    def chunk(self, text: str) -> None:
+    def chunk(self, chunk: Chunk) -> None:
         if self.chunks is not None:
-            self.chunks.put(text)
+            self.chunks.put(chunk)
 
     def reply(self, reply: Reply, frames: list[Any]) -> None:
         try:
