@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--zserve-model-impl", default="auto", help="zserve's model_impl (auto, zserve, transformers), one leg each"
     )
     p.add_argument("--sampled-at", type=int, default=0, help="also run this concurrency sampled (top_p 0.9)")
+    p.add_argument("--dtypes", default="float32",
+                   help="the dtypes both servers compute in, each server's legs per dtype; a ratio compares legs "
+                        "of one dtype (float32, bfloat16; default %(default)s)")  # fmt: skip
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
@@ -69,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.servers = [s for s in args.servers.split(",") if s]
     args.zserve_threads = [int(t) for t in args.zserve_threads.split(",") if t]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if bad := sorted(set(args.dtypes) - {"float32", "bfloat16"}):
+        p.error(f"unknown dtype(s) {bad}")
     if bad := sorted(set(args.servers) - {"vllm", "zserve"}):
         p.error(f"unknown server(s) {bad}")
     return args
@@ -141,7 +147,7 @@ class OpenAIStream:
         return Timing(start, first or end, last or end, tokens)
 
 
-def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
+def start_vllm(args: argparse.Namespace, path: str, dtype: str = "float32") -> tuple[Managed, str]:
     python = vllm_python(args.venv)
     port = free_port()
     env = clean_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -163,7 +169,7 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
             "--port",
             str(port),
             "--dtype",
-            "float32",
+            dtype,
             "--max-model-len",
             "2048",
             "--max-num-seqs",
@@ -188,8 +194,9 @@ def start_vllm(args: argparse.Namespace, path: str) -> tuple[Managed, str]:
 
 
 def run_server(
-    label: str, url: str, args: argparse.Namespace, scenarios: dict[int, list[list[GenRequest]]], rows: list[GenRow]
-) -> None:
+    label: str, url: str, args: argparse.Namespace, scenarios: dict[int, list[list[GenRequest]]], rows: list[GenRow],
+    dtype: str = "float32",
+) -> None:  # fmt: skip
     greedy = OpenAIStream(url, {})
     greedy(scenarios[min(scenarios)][0][0], None)  # warm-up (vLLM compiles on its first requests)
     greedy.mismatches.clear()
@@ -198,7 +205,7 @@ def run_server(
         runs.append((args.sampled_at, "top_p 0.9", OpenAIStream(url, SAMPLED)))
     for c, sampling, call in runs:
         timings, wall_s = closed_loop(call, scenarios[c])
-        row = summarize(label, c, timings, wall_s, sampling=sampling)
+        row = summarize(label, c, timings, wall_s, sampling=sampling, dtype=dtype)
         if call.mismatches:
             row.detail["length_mismatches"] = call.mismatches[:10]
             call.mismatches.clear()
@@ -211,17 +218,65 @@ def run_server(
         )
 
 
-def format_table(rows: list[GenRow]) -> str:
-    head = ("server", "conc", "sampling", "req", "out tok/s", "x vLLM", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
-    cells = []
-    for r in sorted(rows, key=lambda r: (r.concurrency, r.detail["sampling"], r.leg)):
-        peer = next(
-            (v for v in rows if v.leg == "vllm" and v.concurrency == r.concurrency and v.detail == r.detail), None
+def run_vllm(
+    args: argparse.Namespace, path: str, dtype: str, scenarios: dict[int, list[list[GenRequest]]],
+    rows: list[GenRow], meta: dict[str, Any], failures: dict[str, str],
+) -> None:  # fmt: skip
+    label = "vllm" if dtype == "float32" else f"vllm-{_SHORT[dtype]}"
+    try:
+        server, url = start_vllm(args, path, dtype)
+        try:
+            print(f"  {label} ready (defaults: engine on 1 core, API server on the other)", flush=True)
+            run_server(label, url, args, scenarios, rows, dtype)
+        finally:
+            meta[f"{label}_notable"] = server.notable[-20:]
+            meta[f"{label}_tail"] = server.tail(30)
+            server.close()
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        failures[label] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+        print(f"  {label}: FAILED: {failures[label]}", file=sys.stderr, flush=True)
+        print(meta.get(f"{label}_tail", ""), file=sys.stderr, flush=True)
+
+
+def run_zserve(
+    args: argparse.Namespace, path: str, dtype: str, scenarios: dict[int, list[list[GenRequest]]], rows: list[GenRow]
+) -> None:
+    import zserve
+
+    tokens = args.max_prompt + args.max_output
+    base = zserve_leg.engine_options(path, dtype, args.max_num_seqs, tokens, args.max_batched_tokens)
+    for impl, threads in [(i, t) for i in args.zserve_model_impl.split(",") for t in args.zserve_threads]:
+        label = f"zserve-{threads}t" + ("" if impl == "auto" else f"-{impl}")
+        label += "" if dtype == "float32" else f"-{_SHORT[dtype]}"
+        options = base | {"model_impl": impl}
+        client = zserve.serve(
+            zserve_leg.HANDLER, name=SERVED, options=options, threads=threads, timeout_ms=zserve_leg.REQUEST_TIMEOUT_MS
         )
+        try:
+            print(f"  {label} ready: {options}", flush=True)
+            run_server(label, client.url, args, scenarios, rows, dtype)
+        finally:
+            client.terminate()
+
+
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def format_table(rows: list[GenRow]) -> str:
+    head = ("server", "dtype", "conc", "sampling", "req", "out tok/s", "x vLLM", "TTFT p50", "TTFT p99", "TPOT p50",
+            "TPOT p99")  # fmt: skip
+    cells = []
+
+    def kind(r: GenRow) -> tuple:
+        return r.concurrency, r.detail["sampling"], r.detail["dtype"]
+
+    for r in sorted(rows, key=lambda r: (*kind(r), r.leg)):
+        peer = next((v for v in rows if v.leg.startswith("vllm") and kind(v) == kind(r)), None)
         ratio = f"{r.tok_s / peer.tok_s:.2f}" if peer and peer.tok_s else "-"
         cells.append(
             (
                 r.leg,
+                r.detail["dtype"],
                 str(r.concurrency),
                 r.detail["sampling"],
                 str(r.requests),
@@ -235,7 +290,7 @@ def format_table(rows: list[GenRow]) -> str:
         )
     widths = [max(len(x[i]) for x in [head, *cells]) for i in range(len(head))]
     lines = [
-        "  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths, strict=True)))
+        "  ".join(c.ljust(w) if i in (0, 1, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths, strict=True)))
         for x in [head, *cells]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -274,40 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.concurrency}, {args.requests_per_caller} request(s) per caller",
                 flush=True,
             )
-            if "vllm" in args.servers:
-                try:
-                    server, url = start_vllm(args, path)
-                    try:
-                        print("  vLLM ready (defaults: engine on 1 core, API server on the other)", flush=True)
-                        run_server("vllm", url, args, scenarios, rows)
-                    finally:
-                        meta["vllm_notable"] = server.notable[-20:]
-                        meta["vllm_tail"] = server.tail(30)
-                        server.close()
-                except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-                    failures["vllm"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
-                    print(f"  vllm: FAILED: {failures['vllm']}", file=sys.stderr, flush=True)
-                    print(meta.get("vllm_tail", ""), file=sys.stderr, flush=True)
-            if "zserve" in args.servers:
-                import zserve
-
-                tokens = args.max_prompt + args.max_output
-                base = zserve_leg.engine_options(path, "float32", args.max_num_seqs, tokens, args.max_batched_tokens)
-                for impl, threads in [(i, t) for i in args.zserve_model_impl.split(",") for t in args.zserve_threads]:
-                    label = f"zserve-{threads}t" + ("" if impl == "auto" else f"-{impl}")
-                    options = base | {"model_impl": impl}
-                    client = zserve.serve(
-                        zserve_leg.HANDLER,
-                        name=SERVED,
-                        options=options,
-                        threads=threads,
-                        timeout_ms=zserve_leg.REQUEST_TIMEOUT_MS,
-                    )
-                    try:
-                        print(f"  {label} ready: {options}", flush=True)
-                        run_server(label, client.url, args, scenarios, rows)
-                    finally:
-                        client.terminate()
+            for dtype in args.dtypes:
+                if "vllm" in args.servers:
+                    run_vllm(args, path, dtype, scenarios, rows, meta, failures)
+                if "zserve" in args.servers:
+                    run_zserve(args, path, dtype, scenarios, rows)
         except (KeyboardInterrupt, Stopped) as exc:
             interrupted = True
             print(

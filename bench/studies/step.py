@@ -64,7 +64,10 @@ def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps:
     """Every impl's engine loaded side by side and stepped in turn (A, B, A, B...), so that whatever else the
     machine does at the time falls on all of them alike."""
     options = GeneratorOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256)
-    engines = {impl: Generator.load(path, options=replace(options, model_impl=impl)) for impl in impls}
+    engines = {}
+    for impl in impls:  # "zserve@bfloat16": the model_impl, then the dtype (float32 unless named)
+        model_impl, _, dtype = impl.partition("@")
+        engines[impl] = Generator.load(path, dtype=dtype or "float32", options=replace(options, model_impl=model_impl))
     rows = []
     for b in batches:
         samples: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in impls}
@@ -95,7 +98,11 @@ def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="a transformers folder, smollm2 or tiny (default %(default)s)")
-    p.add_argument("--impls", default="transformers,zserve", help="model_impl values (default %(default)s)")
+    p.add_argument(
+        "--impls",
+        default="transformers,zserve",
+        help="model_impl values, each with an optional @dtype: zserve@bfloat16 (default %(default)s)",
+    )
     p.add_argument("--batch", default="1,8,32", help="decode batch sizes (default %(default)s)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch (default %(default)s)")
@@ -112,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         path = zserve_leg.resolve_model(args.model, "float32", Path(tmp))
         with torch.inference_mode():
             rows = measure(path, args.impls.split(","), batches, args.prompt, args.steps, clock)
-    print(f"{'impl':<13}{'batch':>6}{'step ms':>10}{'linear':>9}{'attention':>11}{'other':>8}")
+    print(f"{'impl':<18}{'batch':>6}{'step ms':>10}{'linear':>9}{'attention':>11}{'other':>8}")
     for r in rows:
-        print(f"{r['impl']:<13}{r['batch']:>6}{r['step_ms']:>10.2f}{r['linear_ms']:>9.2f}"
+        print(f"{r['impl']:<18}{r['batch']:>6}{r['step_ms']:>10.2f}{r['linear_ms']:>9.2f}"
               f"{r['attention_ms']:>11.2f}{r['other_ms']:>8.2f}")  # fmt: skip
     clock_name = "thread CPU time" if args.threads == 1 else "wall clock"
     print(f"(medians of {args.steps} decode steps after prompts of {args.prompt} tokens; {clock_name})")

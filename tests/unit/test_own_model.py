@@ -121,6 +121,23 @@ def test_shared_prefixes_under_preemption_equal_generate(family):
         assert produced[i] == expected(reference, prompt, 8), f"{name}: sequence {i}"
 
 
+def test_a_bf16_model_on_a_cpu_keeps_fp32_kv_for_the_c_kernel_and_decodes_the_model():
+    """bf16 weights, an fp32 cache (cache_dtype) read by the C decode kernel: each greedy token is the fp32
+    model's most likely one, up to bf16's rounding (teacher-forced through the fp32 reference)."""
+    reference = tiny("llama-gqa-untied")
+    model = own_model(copy.deepcopy(reference).to(torch.bfloat16), "zserve")
+    engine = StepCore(model, num_blocks=256, block_size=8, max_batched_tokens=64, chunked_prefill=True)
+    assert engine.cache.k[0].dtype == torch.float32 and engine.cache.native is not None
+    batch = prompts(6, seed=9)
+    produced = run(engine, batch, 12)
+    with torch.inference_mode():
+        for i, prompt in enumerate(batch):
+            ids = prompt + produced[i]
+            logprobs = torch.log_softmax(reference(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1], -1)
+            chosen = logprobs.gather(1, torch.tensor(produced[i]).unsqueeze(1))[:, 0]
+            assert (logprobs.max(-1).values - chosen).max() < 0.05, f"sequence {i}"
+
+
 @pytest.mark.parametrize("impl", ["zserve", "transformers"])
 def test_the_warm_up_step_that_sizes_a_gpu_pool_leaves_the_model_to_the_real_core(impl):
     reference = tiny("qwen3-gqa")

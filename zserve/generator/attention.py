@@ -122,6 +122,16 @@ class TorchStep:
     decode_lengths: torch.Tensor | None = None  # [num_decodes] int32
 
 
+def cache_dtype(dtype: torch.dtype, device: torch.device | str, native_decode: bool) -> torch.dtype:
+    """The KV cache's dtype for a model computing in ``dtype``: its own, except on a CPU with the C decode
+    kernel, which reads fp32. A bf16 model's keys and values are kept in fp32 there: twice the bytes, which
+    a CPU has, against decode attention through SDPA over gathers, 2.5x the kernel's time at 32 decodes
+    (bench/studies/attention.py)."""
+    if native_decode and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -133,10 +143,12 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         native_decode: bool = True,
     ):
-        """``native_decode``: CPU decodes attend through the C kernel (``native.py``) where it applies."""
+        """``dtype``: the model's (the cache's is ``cache_dtype``'s); ``native_decode``: CPU decodes attend
+        through the C kernel (``native.py``) where it applies."""
         shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.dtype = cache_dtype(dtype, device, native_decode)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
         self.native = decode_kernel(self.k[0]) if native_decode else None
 
     def attention(self, module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -153,6 +165,15 @@ class PagedKVCache:
         """One layer's attention for the whole packed step: writes the new ``k``/``v`` [T, kv_heads, head_dim]
         at their slots, then attends ``q`` [T, heads, head_dim] (head_dim contiguous, any row and head
         strides); returns [T, heads, head_dim], contiguous."""
+        if q.dtype == self.dtype:
+            return self._attend(layer, q, k, v, step, scale)
+        # a bf16 model over an fp32 cache (``cache_dtype``): attend in fp32
+        c = self.dtype
+        return self._attend(layer, q.to(c), k.to(c), v.to(c), step, scale).to(q.dtype)
+
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: TorchStep, scale: float
+    ) -> torch.Tensor:
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(0, step.write_slots, k)
         vc.index_copy_(0, step.write_slots, v)

@@ -25,6 +25,7 @@ import torch
 from zserve.errors import BadRequest
 from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, TokenLogprob, TopLogprob
 from zserve.generator import cpu_linear, grammar
+from zserve.generator.attention import cache_dtype
 from zserve.generator.detokenize import TextStream
 from zserve.generator.llama import own_model
 from zserve.generator.sampler import TokenLogprobs
@@ -83,7 +84,8 @@ class Generator:
         num_blocks = options.num_blocks
         if not num_blocks:
             peak = step_peak_bytes(model, options) if tensor_parallel is None else 0
-            num_blocks = pool_blocks(model, options.kv_cache_bytes, options.block_size, tp, peak)
+            native = options.cpu_attention == "native"
+            num_blocks = pool_blocks(model, options.kv_cache_bytes, options.block_size, tp, peak, native)
         self.core = StepCore(
             model, num_blocks=num_blocks, block_size=options.block_size,
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
@@ -304,13 +306,15 @@ def warm_step(model: Any, options: GeneratorOptions) -> None:
 
 
 def pool_blocks(
-    model: Any, kv_cache_bytes: int, block_size: int, tensor_parallel: int = 1, step_peak_bytes: int = 0
-) -> int:
+    model: Any, kv_cache_bytes: int, block_size: int, tensor_parallel: int = 1, step_peak_bytes: int = 0,
+    native_decode: bool = True,
+) -> int:  # fmt: skip
     """KV blocks in ``kv_cache_bytes`` per rank (0: 1 GiB on a CPU; on a GPU 90% of the free device memory less
     ``step_peak_bytes``, what a step needs beside the pool); under tensor parallelism a rank holds 1/N of each
     block's heads."""
     c = model.config
-    per_block = 2 * c.num_hidden_layers * (kv_heads(c) // tensor_parallel) * head_dim(c) * model.dtype.itemsize
+    itemsize = cache_dtype(model.dtype, model.device, native_decode).itemsize
+    per_block = 2 * c.num_hidden_layers * (kv_heads(c) // tensor_parallel) * head_dim(c) * itemsize
     per_block *= block_size
     budget = int(kv_cache_bytes)
     if not budget:
