@@ -9,7 +9,10 @@ real configs (nothing downloaded) and our Llama-family model code (zserve/genera
    shapes in bf16: its median time against the memory-bandwidth bound, (weight bytes + KV bytes read) /
    bandwidth, the bandwidth measured here by a device-to-device copy;
 3. per decode step (batch 8): kernels launched and host syncs (``cuda*Synchronize`` calls), from the profiler.
-CUDA graphs: not built yet (the JSON says so), so every step is eager.
+Parts 1-3 run for each attention backend: ``triton`` (zserve/generator/triton_attention.py: every row of the
+step in one kernel per layer, over the blocks in place) and ``torch`` (decodes as one padded SDPA batch over
+gathered KV, prefill chunks one SDPA call each). CUDA graphs: not built yet (the JSON says so), so every step
+is eager.
 
     python -m bench.gpu.gen_check --out bench/results/issue25-gen-gpu.json   # on the lent machine
     python -m bench.gpu.gen_check --dry                                       # CPU, tiny shapes, seconds
@@ -204,20 +207,31 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry)",
                     "torch": torch.__version__, "cuda_graphs": "not built (every decode step is eager)"}  # fmt: skip
+    from zserve.generator import triton_attention
+
+    # dry: the triton leg runs on the CPU through triton's interpreter when the caller turned it on
+    # (TRITON_INTERPRET=1 ZSERVE_TRITON_ATTENTION=interpret, as the test suite does)
+    on = triton_attention.MODE
+    backends = ["triton", "torch"] if triton_attention.usable(torch.device(device)) else ["torch"]
+    result["attention_backends"] = backends
+    shapes = {"tiny": ("Llama", dict(TINY, num_attention_heads=4, num_key_value_heads=2))} if args.dry else {
+        "smollm2-135m": ("Llama", SMOLLM2_135M), "qwen3-0.6b": ("Qwen3", QWEN3_06B)}  # fmt: skip
+    dtype = torch.float32 if args.dry else torch.bfloat16
+    result["parity"], result["decode"], result["per_step"] = {}, [], []
     with torch.inference_mode():
-        result["parity"] = parity(device, args.dry)
         bw = bandwidth_gbs(device, args.dry)
         result["bandwidth_gbs"] = bw
         print(f"measured copy bandwidth: {bw:.0f} GB/s", flush=True)
-        shapes = {"tiny": ("Llama", dict(TINY, num_attention_heads=4, num_key_value_heads=2))} if args.dry else {
-            "smollm2-135m": ("Llama", SMOLLM2_135M), "qwen3-0.6b": ("Qwen3", QWEN3_06B)}  # fmt: skip
-        dtype = torch.float32 if args.dry else torch.bfloat16
-        result["decode"], result["per_step"] = [], []
-        for name, (prefix, shape) in shapes.items():
-            core, rows = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw, args.dry)
-            result["decode"] += rows
-            result["per_step"].append({"model": name} | kernels_and_syncs(core, device, 2 if args.dry else 8))
-            del core
+        for backend in backends:
+            triton_attention.MODE = on if backend == "triton" else "off"
+            print(f"-- attention: {backend}", flush=True)
+            result["parity"] |= {f"{name} ({backend})": v for name, v in parity(device, args.dry).items()}
+            for name, (prefix, shape) in shapes.items():
+                core, rows = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw, args.dry)
+                result["decode"] += [r | {"attention": backend} for r in rows]
+                per_step = kernels_and_syncs(core, device, 2 if args.dry else 8)
+                result["per_step"].append({"model": name, "attention": backend} | per_step)
+                del core
     result["wall_s"] = time.perf_counter() - started
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,9 @@ rot before a device runs it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +15,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
+    """Both attention backends: the triton kernel through triton's interpreter (where triton is installed)."""
     out = tmp_path / "gen_check.json"
+    backends = ["torch"]
+    env = dict(os.environ)
+    if importlib.util.find_spec("triton") is not None:
+        backends = ["triton", "torch"]
+        env |= {"TRITON_INTERPRET": "1", "ZSERVE_TRITON_ATTENTION": "interpret"}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu.gen_check", "--dry", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["parity"] == {"llama-gqa": "8/8", "qwen2-tied": "8/8", "qwen3-qknorm": "8/8"}
-    assert [r["batch"] for r in result["decode"]] == [1, 2] and result["bandwidth_gbs"] > 0
-    assert result["per_step"][0]["aten_ops_per_step"] > 0
+    assert result["attention_backends"] == backends
+    models = ("llama-gqa", "qwen2-tied", "qwen3-qknorm")
+    assert result["parity"] == {f"{m} ({b})": "8/8" for b in backends for m in models}
+    assert [(r["attention"], r["batch"]) for r in result["decode"]] == [(b, n) for b in backends for n in (1, 2)]
+    assert result["bandwidth_gbs"] > 0 and all(s["aten_ops_per_step"] > 0 for s in result["per_step"])

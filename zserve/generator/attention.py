@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zserve.generator import triton_attention
 from zserve.generator.native import decode_kernel
 
 
@@ -36,13 +37,21 @@ class StepMeta:
 
     def for_torch(
         self, device: torch.device, batched_decode: bool, upload: Uploader, ids: torch.Tensor,
-        positions: torch.Tensor, sample_rows: list[int],
+        positions: torch.Tensor, sample_rows: list[int], kernel: bool = False,
     ) -> tuple[TorchStep, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The torch backend's inputs on ``device`` (built once per step, used by every layer), and the step's
         ``ids``, ``positions`` [T] and sampled rows there: every host tensor goes up in one ``upload``; the
-        masks are built on the device from the lengths (no copy)."""
+        masks are built on the device from the lengths (no copy). ``kernel``: every row attends through
+        ``triton_attention`` in one call per layer (its tables, each row's sequence; positions are shared)."""
         d, n_seqs = self.num_decodes, len(self.context_lens)
         host = [ids, positions, torch.tensor(sample_rows, dtype=torch.long), self.slot_mapping]
+        if kernel:
+            counts = torch.tensor(self.query_start[1:]) - torch.tensor(self.query_start[:-1])
+            host += [torch.repeat_interleave(torch.arange(n_seqs, dtype=torch.int32), counts),
+                     torch.nn.utils.rnn.pad_sequence(self.tables, batch_first=True)]  # fmt: skip
+            ids, positions, rows, write_slots, row_seq, tables = upload(host)
+            step = TorchStep(self.block_size, write_slots, [], None, [], kernel=(tables, row_seq, positions))
+            return step, ids, positions, rows
         padded = d and batched_decode
         if padded:
             host += [torch.tensor(self.query_start[:d]), torch.nn.utils.rnn.pad_sequence(self.slot_rows[:d], True),
@@ -120,6 +129,8 @@ class TorchStep:
     prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (row start, end, table, length, mask)
     decode_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int32, on a CPU
     decode_lengths: torch.Tensor | None = None  # [num_decodes] int32
+    # every row through triton_attention: tables [N, max blocks], each row's sequence and position [T]
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device | str, native_decode: bool) -> torch.dtype:
@@ -177,6 +188,8 @@ class PagedKVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(0, step.write_slots, k)
         vc.index_copy_(0, step.write_slots, v)
+        if step.kernel is not None:
+            return triton_attention.paged_attention(q, kc, vc, *step.kernel, step.block_size, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if step.decode_padded is not None:
             rows, slots, mask = step.decode_padded

@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from zserve.generator import grammar
+from zserve.generator import grammar, triton_attention
 from zserve.generator.attention import PagedKVCache, StepMeta, Uploader
 from zserve.generator.block_manager import BlockManager
 from zserve.generator.llama import LlamaFamily
@@ -281,7 +281,10 @@ def forward(
 ) -> torch.Tensor:
     """One step's forward pass over the packed row: the logits of the ``sample_rows``. ``ids`` and
     ``positions`` are [1, T] on the host; they and the step's metadata reach the device in one ``upload``."""
-    step, ids, positions, rows = meta.for_torch(model.device, batched_decode, upload, ids[0], positions[0], sample_rows)
+    kernel = triton_attention.usable(model.device)
+    step, ids, positions, rows = meta.for_torch(
+        model.device, batched_decode, upload, ids[0], positions[0], sample_rows, kernel
+    )
     if isinstance(model, LlamaFamily):
         return model(ids, positions, step, rows)
     return model(

@@ -1,0 +1,84 @@
+"""The Triton paged attention kernel (zserve/generator/triton_attention.py), the GPU backend, checked on a CPU
+through triton's interpreter: against softmax attention computed directly, and inside the engine core, where
+greedy output equals Hugging Face ``generate`` with chunked prefill, prefix caching and preemption.
+
+The interpreter must be chosen before triton is imported, so the checks run in a child interpreter (this
+file run as a script) with ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def test_the_kernel_and_the_engine_through_it_under_triton_s_interpreter():
+    env = os.environ | {"TRITON_INTERPRET": "1", "ZSERVE_TRITON_ATTENTION": "interpret"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "kernel ok" in done.stdout and "engine ok" in done.stdout
+
+
+def _check_kernel() -> None:
+    from zserve.generator import triton_attention
+
+    torch.manual_seed(0)
+    bs, kv_heads, heads, d, n_blocks = 4, 2, 4, 24, 40  # GQA, a head_dim that is not a power of two
+    k, v = torch.randn(n_blocks * bs, kv_heads, d), torch.randn(n_blocks * bs, kv_heads, d)
+    lengths, rows = [7, 13, 1, 9, 6], [1, 1, 1, 5, 6]  # three decodes, a later chunk of 5, a whole prompt
+    perm, at, tables = torch.randperm(n_blocks), 0, []
+    for n in lengths:
+        tables.append(perm[at : at + -(-n // bs)].to(torch.int32))
+        at += len(tables[-1])
+    row_seq = [s for s, n in enumerate(rows) for _ in range(n)]
+    row_pos = [lengths[s] - rows[s] + i for s, n in enumerate(rows) for i in range(n)]
+    q = torch.randn(len(row_seq), heads * 2, d)[:, ::2]  # strided heads, as a view of a qkv product is
+    out = triton_attention.paged_attention(
+        q, k, v, torch.nn.utils.rnn.pad_sequence(tables, batch_first=True), torch.tensor(row_seq, dtype=torch.int32),
+        torch.tensor(row_pos), bs, d**-0.5,
+    )  # fmt: skip
+    for r, (s, p) in enumerate(zip(row_seq, row_pos, strict=True)):
+        slots = (tables[s].long().unsqueeze(1) * bs + torch.arange(bs)).flatten()[: p + 1]
+        keys = k[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, p + 1, d]
+        values = v[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        expected = torch.softmax(q[r].unsqueeze(1) @ keys.transpose(1, 2) * d**-0.5, -1) @ values
+        assert torch.allclose(out[r], expected[:, 0], atol=1e-5), r
+    print("kernel ok")
+
+
+def _check_engine() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_own_model import run, tiny
+    from test_step_core import expected
+
+    from zserve.generator.llama import own_model
+    from zserve.generator.step_core import StepCore
+
+    for family in ("llama-gqa-untied", "qwen3-gqa"):
+        reference = tiny(family)
+        model = own_model(copy.deepcopy(reference), "zserve")
+        engine = StepCore(model, num_blocks=12, block_size=4, max_batched_tokens=24)
+        rng = random.Random(3)
+        shared = [rng.randrange(1, 256) for _ in range(9)]
+        batch = [shared + [rng.randrange(1, 256) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+        produced = run(engine, batch, 6)
+        for i, prompt in enumerate(batch):
+            assert produced[i] == expected(reference, prompt, 6), (family, i)
+        assert engine.stats.cached_tokens > 0 and engine.scheduler.preemptions > 0, (family, engine.stats)
+    print("engine ok")
+
+
+if __name__ == "__main__":
+    from zserve.generator import triton_attention
+
+    assert triton_attention.usable(torch.device("cpu")), "the interpreter mode is not on"
+    _check_kernel()
+    _check_engine()
