@@ -152,7 +152,8 @@ class _OpenAIRoute(_GenerateRoute):
             prompts = self._requests(model, body)
             items = openai_params.choices(prompts, body.get("n") or 1)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
-            states = self._states(model, body, prompts, len(items) // len(prompts))
+            n = len(items) // len(prompts)
+            states = self._states(model, body, prompts, n)
             try:
                 if body.get("stream"):
                     if len(prompts) != 1:
@@ -171,7 +172,7 @@ class _OpenAIRoute(_GenerateRoute):
                 responses = await asyncio.gather(*(self._run(name, item) for item in items))
             except BadRequest as exc:
                 raise self._refused(body, exc) from None
-            resp.data = _json.encode(self._completion(meta, responses, states, len(items) // len(prompts)))
+            resp.data = _json.encode(self._completion(meta, responses, states, n))
             resp.content_type = falcon.MEDIA_JSON
 
         await self._answer(resp, openai_error, work)

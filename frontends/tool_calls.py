@@ -208,6 +208,7 @@ class ToolCallStream:
         self._buffer = ""  # text not answered yet
         self._space = ""  # whitespace held back (dropped before a call or at the end)
         self._decided = self._is_calls = False  # llama3: whether the output is calls (starts with `{`)
+        self._close_from = 0  # hermes: where in the buffer (an open call) `</tool_call>` may start
 
     def feed(self, text: str) -> list[Piece]:
         if self.mode == "named":
@@ -257,10 +258,12 @@ class ToolCallStream:
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 return out
             out += self._content(self._buffer[:start], False)  # its trailing whitespace held: a call drops it
-            end = self._buffer.find(_CLOSE, start)
-            if end < 0 and not final:
+            end = self._buffer.find(_CLOSE, max(start, self._close_from))
+            if end < 0 and not final:  # a call is open: the next text is searched from here on, not again
                 self._buffer = self._buffer[start:]
+                self._close_from = max(0, len(self._buffer) - len(_CLOSE) + 1)
                 return out
+            self._close_from = 0
             body = self._buffer[start + len(_OPEN) : end if end >= 0 else len(self._buffer)]
             rest = self._buffer[end + len(_CLOSE) :] if end >= 0 else ""
             call = _json_call(body, ("arguments", "parameters"))
