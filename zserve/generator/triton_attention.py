@@ -17,9 +17,12 @@ online softmax in fp32. Grouped-query heads share their KV head's loads through 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("zserve.generator.triton_attention")
 
 # auto | off | interpret (tests, on a CPU); read at every step, so a benchmark can switch backends in process
 MODE = os.environ.get("ZSERVE_TRITON_ATTENTION", "auto")
@@ -35,12 +38,40 @@ def _kernel():
 
 def usable(device: torch.device) -> bool:
     """Whether a step on ``device`` attends through this kernel: on CUDA with triton installed (unless
-    ``ZSERVE_TRITON_ATTENTION=off``); on a CPU only under the interpreter, for tests."""
+    ``ZSERVE_TRITON_ATTENTION=off``) and where it passed its check; on a CPU only under the interpreter."""
     if MODE == "off" or (device.type != "cuda" and MODE != "interpret"):
         return False
+    return _checked(str(device))
+
+
+@functools.cache
+def _checked(device: str) -> bool:
+    """Build and check the kernel once per device against attention computed directly (two sequences over
+    shuffled blocks, GQA): a kernel that does not build or computes otherwise on this device leaves the engine
+    on the torch path, with a warning, instead of failing its steps."""
     try:
         _kernel()
     except ImportError:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        bs, kv_heads, heads, d = 4, 2, 4, 32
+        k, v, q = (torch.randn(shape, generator=g).to(device) for shape in ((32, kv_heads, d),) * 2 + ((5, heads, d),))
+        tables = [[3, 1, 6], [7, 0]]
+        row_seq, row_pos = [0, 0, 0, 1, 1], [9, 10, 11, 2, 6]  # a chunk of 3 after 9 cached, two decodes
+        padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device=device)
+        out = paged_attention(q, k, v, padded, torch.tensor(row_seq, device=device),
+                              torch.tensor(row_pos, device=device), bs, d**-0.5)  # fmt: skip
+        for r, (s, p) in enumerate(zip(row_seq, row_pos, strict=True)):
+            slots = torch.tensor([tables[s][i // bs] * bs + i % bs for i in range(p + 1)], device=device)
+            keys = k[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+            values = v[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+            expected = (torch.softmax(q[r].unsqueeze(1) @ keys.transpose(1, 2) * d**-0.5, -1) @ values)[:, 0]
+            if not torch.allclose(out[r], expected, atol=1e-3, rtol=1e-3):
+                log.warning("triton paged attention differs from the reference on %s: using torch's", device)
+                return False
+    except Exception as exc:  # a build failure, an unsupported GPU: the torch path still serves
+        log.warning("triton paged attention failed its check on %s (%r): using torch's", device, exc)
         return False
     return True
 
