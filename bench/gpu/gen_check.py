@@ -9,10 +9,10 @@ real configs (nothing downloaded) and our Llama-family model code (zserve/genera
    shapes in bf16: its median time against the memory-bandwidth bound, (weight bytes + KV bytes read) /
    bandwidth, the bandwidth measured here by a device-to-device copy;
 3. per decode step (batch 8): kernels launched and host syncs (``cuda*Synchronize`` calls), from the profiler.
-Parts 1-3 run for each attention backend: ``triton`` (zserve/generator/triton_attention.py: every row of the
-step in one kernel per layer, over the blocks in place) and ``torch`` (decodes as one padded SDPA batch over
-gathered KV, prefill chunks one SDPA call each). CUDA graphs: not built yet (the JSON says so), so every step
-is eager.
+Parts 1-3 run for each leg: ``triton+graphs`` (decode steps replay CUDA graphs, zserve/generator/cuda_graphs.py,
+over the Triton kernel), ``triton`` (zserve/generator/triton_attention.py eagerly: every row of the step in one
+kernel per layer, over the blocks in place) and ``torch`` (decodes as one padded SDPA batch over gathered KV,
+prefill chunks one SDPA call each).
 
     python -m bench.gpu.gen_check --out bench/results/issue25-gen-gpu.json   # on the lent machine
     python -m bench.gpu.gen_check --dry                                       # CPU, tiny shapes, seconds
@@ -72,18 +72,21 @@ def build(prefix: str, shape: dict, dtype: torch.dtype, device: str):
     return model.to(dtype).eval()
 
 
-def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool):
+def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool, graphs: bool):
     from zserve.generator.attention import Uploader
     from zserve.generator.step_core import StepCore
 
     core = StepCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
-                      max_running=256, batched_decode=True, native_decode=False)  # fmt: skip
+                    max_running=8 if dry else 256, batched_decode=True, native_decode=False,
+                    cuda_graphs=graphs)  # fmt: skip
+    if graphs:
+        assert core.graphs is not None, "CUDA graphs asked for, and the engine did not build them"
     if dry:
         core.upload = Uploader(core.device, pack=True)  # what a device runs
     return core
 
 
-def parity(device: str, dry: bool) -> dict:
+def parity(device: str, dry: bool, graphs: bool) -> dict:
     from zserve.generator.llama import own_model
     from zserve.generator.sequence import SamplingParams
 
@@ -91,7 +94,7 @@ def parity(device: str, dry: bool) -> dict:
     rng = random.Random(1)
     for name, (prefix, shape) in PARITY.items():
         reference = build(prefix, shape, torch.float32, device)
-        core = gpu_path_core(own_model(copy.deepcopy(reference), "zserve"), 64, 64, dry)
+        core = gpu_path_core(own_model(copy.deepcopy(reference), "zserve"), 64, 64, dry, graphs)
         prompts = [[rng.randrange(1, 256) for _ in range(rng.randrange(3, 90))] for _ in range(8)]
         produced: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -128,7 +131,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batches, prompt, steps, bw, dry):
+def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batches, prompt, steps, bw, dry, graphs):
     from zserve.generator.llama import own_model
     from zserve.generator.sequence import SamplingParams
     from zserve.generator.step_core import head_dim, kv_heads
@@ -138,7 +141,7 @@ def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batche
     c = model.config
     kv_per_token = 2 * c.num_hidden_layers * kv_heads(c) * head_dim(c) * torch.tensor([], dtype=dtype).element_size()
     per_seq_blocks = -(-(prompt + steps + 8) // 16) + 1
-    core = gpu_path_core(model, per_seq_blocks * max(batches), max(2048, prompt), dry)
+    core = gpu_path_core(model, per_seq_blocks * max(batches), max(2048, prompt), dry, graphs)
     rows = []
     for b in batches:
         for i in range(b):
@@ -206,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt, steps = (16, 2) if args.dry else (args.prompt, args.steps)
     started = time.perf_counter()
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry)",
-                    "torch": torch.__version__, "cuda_graphs": "not built (every decode step is eager)"}  # fmt: skip
+                    "torch": torch.__version__}  # fmt: skip
     from zserve.generator import triton_attention
 
     # dry: the triton leg runs on the CPU through triton's interpreter when the caller turned it on
     # (TRITON_INTERPRET=1 ZSERVE_TRITON_ATTENTION=interpret, as the test suite does)
     on = triton_attention.MODE
-    backends = ["triton", "torch"] if triton_attention.usable(torch.device(device)) else ["torch"]
+    backends = ["triton+graphs", "triton", "torch"] if triton_attention.usable(torch.device(device)) else ["torch"]
     result["attention_backends"] = backends
     shapes = {"tiny": ("Llama", dict(TINY, num_attention_heads=4, num_key_value_heads=2))} if args.dry else {
         "smollm2-135m": ("Llama", SMOLLM2_135M), "qwen3-0.6b": ("Qwen3", QWEN3_06B)}  # fmt: skip
@@ -223,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         result["bandwidth_gbs"] = bw
         print(f"measured copy bandwidth: {bw:.0f} GB/s", flush=True)
         for backend in backends:
-            triton_attention.MODE = on if backend == "triton" else "off"
+            triton_attention.MODE = on if backend.startswith("triton") else "off"
+            graphs = backend == "triton+graphs"
             print(f"-- attention: {backend}", flush=True)
-            result["parity"] |= {f"{name} ({backend})": v for name, v in parity(device, args.dry).items()}
+            result["parity"] |= {f"{name} ({backend})": v for name, v in parity(device, args.dry, graphs).items()}
             for name, (prefix, shape) in shapes.items():
-                core, rows = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw, args.dry)
+                core, rows = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw, args.dry,
+                                          graphs)  # fmt: skip
                 result["decode"] += [r | {"attention": backend} for r in rows]
                 per_step = kernels_and_syncs(core, device, 2 if args.dry else 8)
                 result["per_step"].append({"model": name, "attention": backend} | per_step)

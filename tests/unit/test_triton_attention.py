@@ -1,6 +1,8 @@
 """The Triton paged attention kernel (zserve/generator/triton_attention.py), the GPU backend, checked on a CPU
 through triton's interpreter: against softmax attention computed directly, and inside the engine core, where
-greedy output equals Hugging Face ``generate`` with chunked prefill, prefix caching and preemption.
+greedy output equals Hugging Face ``generate`` with chunked prefill, prefix caching and preemption, also with
+decode steps run the CUDA-graph way (zserve/generator/cuda_graphs.py: static buffers, batch buckets, padding
+rows on the scratch block; on a CPU each replay is the eager forward over those buffers).
 
 The interpreter must be chosen before triton is imported, so the checks run in a child interpreter (this
 file run as a script) with ``TRITON_INTERPRET=1``."""
@@ -62,17 +64,25 @@ def _check_engine() -> None:
     from zserve.generator.llama import own_model
     from zserve.generator.step_core import StepCore
 
-    for family in ("llama-gqa-untied", "qwen3-gqa"):
+    for family, graphs in (("llama-gqa-untied", False), ("qwen3-gqa", False), ("llama-gqa-untied", True)):
         reference = tiny(family)
         model = own_model(copy.deepcopy(reference), "zserve")
-        engine = StepCore(model, num_blocks=12, block_size=4, max_batched_tokens=24)
+        # graphs: 7 sequences at once, so that decode steps of 7 replay bucket 8 with a padding row
+        num_blocks, k, every = (40, 7, 0) if graphs else (12, 4, 2)
+        engine = StepCore(model, num_blocks=num_blocks, block_size=4, max_batched_tokens=24, max_running=8,
+                          cuda_graphs=graphs)  # fmt: skip
         rng = random.Random(3)
         shared = [rng.randrange(1, 256) for _ in range(9)]
-        batch = [shared + [rng.randrange(1, 256) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
-        produced = run(engine, batch, 6)
+        batch = [shared + [rng.randrange(1, 256) for _ in range(rng.randrange(2, 14))] for _ in range(k)]
+        produced = run(engine, batch, 6, every)
         for i, prompt in enumerate(batch):
-            assert produced[i] == expected(reference, prompt, 6), (family, i)
-        assert engine.stats.cached_tokens > 0 and engine.scheduler.preemptions > 0, (family, engine.stats)
+            assert produced[i] == expected(reference, prompt, 6), (family, graphs, i)
+        assert engine.stats.cached_tokens > 0, (family, engine.stats)
+        if graphs:
+            assert engine.graphs is not None and engine.graphs.verified and engine.graphs.replays >= 4
+            assert engine.cache.k[0].shape[0] == (num_blocks + 1) * 4  # the scratch block
+        else:
+            assert engine.scheduler.preemptions > 0, (family, engine.stats)
     print("engine ok")
 
 

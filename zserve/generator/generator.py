@@ -64,6 +64,7 @@ class GeneratorOptions:
     cpu_linear: str = "onednn"  # on a CPU: "onednn" (weights prepacked once, cpu_linear.py) or "torch"
     cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
     model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
+    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs where they apply (cuda_graphs.py)
 
 
 class Generator:
@@ -91,6 +92,7 @@ class Generator:
             max_batched_tokens=options.max_batched_tokens, max_running=options.max_running,
             chunked_prefill=options.chunked_prefill, prefix_caching=options.prefix_caching,
             native_decode=options.cpu_attention == "native", tensor_parallel=tensor_parallel,
+            cuda_graphs=options.cuda_graphs,
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._token_texts: dict[int, str] = {}  # logprobs' token strings (the output thread's)

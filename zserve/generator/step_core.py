@@ -11,6 +11,7 @@ rebuilding slot lists; sampling is one batched call on the model's device (``sam
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from zserve.generator import grammar, triton_attention
 from zserve.generator.attention import PagedKVCache, StepMeta, Uploader
 from zserve.generator.block_manager import BlockManager
+from zserve.generator.cuda_graphs import DecodeGraphs
 from zserve.generator.llama import LlamaFamily
 from zserve.generator.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from zserve.generator.scheduler import Chunk, StepScheduler
@@ -28,6 +30,8 @@ from zserve.generator.sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
     from zserve.generator.tensor_parallel import TensorParallelGroup
+
+log = logging.getLogger("zserve.generator.step_core")
 
 _names = itertools.count()
 
@@ -72,11 +76,13 @@ class StepCore:
         batched_decode: bool | None = None,
         native_decode: bool = True,
         tensor_parallel: TensorParallelGroup | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
         call per sequence is faster). ``native_decode``: CPU decodes attend through the C kernel
         (``native.py``) where it applies. ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
-        is broadcast to the other ranks before it runs."""
+        is broadcast to the other ranks before it runs. ``cuda_graphs``: decode-only steps replay CUDA graphs
+        (``cuda_graphs.py``) where they apply: our model code, alone, attending through the Triton kernel."""
         config = model.config
         self.model = model.eval()
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id)
@@ -88,7 +94,11 @@ class StepCore:
         if tensor_parallel is not None:
             tensor_parallel.init_cache(num_blocks, block_size, self.batched_decode, native_decode)
         tp = tensor_parallel.size if tensor_parallel else 1
-        self.cache = paged_cache_for(model, num_blocks, block_size, tp, native_decode=native_decode)
+        graphed = cuda_graphs and tensor_parallel is None and isinstance(model, LlamaFamily)
+        graphed = graphed and triton_attention.usable(self.device)
+        # a graphed step's padding rows write their K/V to one more block, which no sequence owns
+        cache_blocks = num_blocks + 1 if graphed else num_blocks
+        self.cache = paged_cache_for(model, cache_blocks, block_size, tp, native_decode=native_decode)
         self.scheduler = StepScheduler(
             self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
         )
@@ -97,6 +107,15 @@ class StepCore:
         self._stats = StepStats()
         self._block_slots = torch.arange(block_size)  # slot offsets inside a block
         self.upload = Uploader(self.device)  # a step's inputs to the device, one copy
+        self.graphs: DecodeGraphs | None = None
+        if graphed:
+            max_context = getattr(config, "max_position_embeddings", 0) or num_blocks * block_size
+            max_blocks = min(num_blocks, -(-max_context // block_size))
+            try:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(model, max_running, max_blocks, block_size, num_blocks * block_size)
+            except Exception as exc:  # a capture that fails on a device it was never tried on: stay eager
+                log.warning("CUDA graphs could not be captured (%r): decode steps run eagerly", exc)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (prompt + new) can ever fit the KV pool."""
@@ -186,10 +205,18 @@ class StepCore:
         chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
         ids, positions, meta, sample_rows, prompt_rows = self._meta(chunks)
         rows = sample_rows + prompt_rows.rows
+        graphs = self.graphs
         if self.tensor_parallel is not None:
             logits = self.tensor_parallel.forward(
                 self.model, ids, positions, meta, rows, self.batched_decode, self.upload
             )
+        elif graphs is not None and graphs.takes(meta, rows, bool(prompt_rows.rows)):
+            logits = graphs.step(meta, ids, positions, self.upload)
+            if not graphs.verified:  # once: the same step eagerly (it writes the same K/V again)
+                eager = forward(self.model, ids, positions, meta, rows, batched_decode=self.batched_decode,
+                                upload=self.upload)  # fmt: skip
+                if not graphs.verify(logits, eager):
+                    self.graphs, logits = None, eager
         else:
             logits = forward(
                 self.model, ids, positions, meta, rows, batched_decode=self.batched_decode, upload=self.upload

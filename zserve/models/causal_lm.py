@@ -17,6 +17,7 @@ budget per step), ``max_running`` (sequences per step; also the broker's limit p
 ``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
 ("onednn": on a CPU the linear layers' weights are prepacked for oneDNN once at load; "torch": as loaded),
 ``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch"),
+``cuda_graphs`` (on CUDA, decode-only steps replay graphs captured at start; see docs/generation.md),
 and ``tool_parser`` (how /v1/chat/completions reads the model's own tool calls under ``tool_choice: auto``:
 "hermes" for ``<tool_call>{...}</tool_call>``, "llama3" for Llama 3's JSON calls, "auto": from the chat
 template; see docs/openai.md).
@@ -54,13 +55,14 @@ class CausalLM(Model):
         cpu_attention: str = "native",
         model_impl: str = "auto",
         tool_parser: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
             tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
-            model_impl=model_impl, tool_parser=tool_parser,
+            model_impl=model_impl, tool_parser=tool_parser, cuda_graphs=cuda_graphs,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
@@ -74,6 +76,8 @@ class CausalLM(Model):
             raise ValueError(f"dtype {dtype!r} must be one of auto, float32, bfloat16, float16")
         if model_impl not in ("auto", "zserve", "transformers"):
             raise ValueError(f"model_impl {model_impl!r} must be auto, zserve or transformers")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
         if tool_parser not in ("auto", "hermes", "llama3"):
             raise ValueError(f"tool_parser {tool_parser!r} must be auto, hermes or llama3")
         self.path = path
@@ -93,6 +97,7 @@ class CausalLM(Model):
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
             cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]), model_impl=str(o["model_impl"]),
+            cuda_graphs=bool(o["cuda_graphs"]),
         )  # fmt: skip
         self.generator = Generator.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
