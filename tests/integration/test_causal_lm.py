@@ -92,6 +92,8 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_linear="mkl")
     with pytest.raises(ValueError, match="cpu_attention 'flash' must be native or torch"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_attention="flash")
+    with pytest.raises(ValueError, match="cuda_graphs must be true or false, not 'yes'"):
+        zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cuda_graphs="yes")
     with pytest.raises(ValueError, match="model_impl 'vllm' must be auto, zserve or transformers"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", model_impl="vllm")
     with pytest.raises(zserve.BadRequest) as info:  # an unknown option is named

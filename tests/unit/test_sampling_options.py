@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_step_core import tiny_llama
 
 from zserve.generator.llama import own_model
 from zserve.generator.sequence import SamplingParams
@@ -19,12 +19,7 @@ from zserve.generator.step_core import StepCore
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def run(core: StepCore, requests: list[tuple[list[int], SamplingParams]]) -> dict[int, list]:

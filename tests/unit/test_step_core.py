@@ -15,14 +15,19 @@ from zserve.generator.sequence import SamplingParams
 from zserve.generator.step_core import StepCore
 
 
-@pytest.fixture(scope="module")
-def reference():
+def tiny_llama():
+    """A 2-layer GQA Llama of random weights (seed 0)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_llama()
 
 
 def expected(model, prompt, n):

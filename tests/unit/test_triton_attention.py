@@ -10,6 +10,7 @@ file run as a script) with ``TRITON_INTERPRET=1``."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import subprocess
@@ -26,7 +27,21 @@ def test_the_kernel_and_the_engine_through_it_under_triton_s_interpreter():
     env = os.environ | {"TRITON_INTERPRET": "1", "ZSERVE_TRITON_ATTENTION": "interpret"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "kernel ok" in done.stdout and "engine ok" in done.stdout
+    assert "kernel ok" in done.stdout and "engine ok" in done.stdout and "fallbacks ok" in done.stdout
+
+
+def test_a_kernel_that_fails_its_check_leaves_the_engine_on_the_torch_path(monkeypatch, caplog):
+    from zserve.generator import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MODE", "interpret")  # the check runs on a CPU device here
+    wrong = [lambda q, *args: torch.zeros_like(q), lambda *args: (_ for _ in ()).throw(RuntimeError("no PTX"))]
+    for kernel, says in zip(wrong, ["differs from the reference", "failed its check"], strict=True):
+        triton_attention._checked.cache_clear()
+        monkeypatch.setattr(triton_attention, "paged_attention", kernel)
+        with caplog.at_level(logging.WARNING, logger="zserve.generator.triton_attention"):
+            assert not triton_attention.usable(torch.device("cpu"))
+        assert says in caplog.text
+    triton_attention._checked.cache_clear()
 
 
 def _check_kernel() -> None:
@@ -86,9 +101,44 @@ def _check_engine() -> None:
     print("engine ok")
 
 
+def _check_graph_fallbacks() -> None:
+    """A replay that computes otherwise is caught by the first graphed step's check, a capture that raises
+    leaves the engine eager: either way the output is still generate's."""
+    from test_own_model import run, tiny
+    from test_step_core import expected
+
+    from zserve.generator import step_core
+    from zserve.generator.llama import own_model
+    from zserve.generator.step_core import StepCore
+
+    def failing_capture(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    reference = tiny("llama-gqa-untied")
+    rng = random.Random(4)
+    batch = [[rng.randrange(1, 256) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
+    for broken in ("replay", "capture"):
+        original = step_core.DecodeGraphs
+        if broken == "capture":
+            step_core.DecodeGraphs = failing_capture
+        try:
+            engine = StepCore(own_model(copy.deepcopy(reference), "zserve"), num_blocks=40, block_size=4,
+                              max_batched_tokens=24, max_running=4, cuda_graphs=True)  # fmt: skip
+        finally:
+            step_core.DecodeGraphs = original
+        graphs = engine.graphs
+        if broken == "replay":
+            graphs._replays = {b: ((lambda out=out: out.zero_()), out) for b, (_, out) in graphs._replays.items()}
+        produced = run(engine, batch, 4, 0)
+        assert engine.graphs is None and (broken == "capture" or graphs.verified), broken
+        assert all(produced[i] == expected(reference, p, 4) for i, p in enumerate(batch)), broken
+    print("fallbacks ok")
+
+
 if __name__ == "__main__":
     from zserve.generator import triton_attention
 
     assert triton_attention.usable(torch.device("cpu")), "the interpreter mode is not on"
     _check_kernel()
     _check_engine()
+    _check_graph_fallbacks()
