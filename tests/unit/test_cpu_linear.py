@@ -1,7 +1,11 @@
-"""oneDNN-prepacked linear layers (the engine's default on a CPU): the same products as ``nn.Linear``, every
-linear layer replaced, a tied ``lm_head`` leaving the embedding it shares intact."""
+"""Packed linear layers (the engine's default on a CPU), through our C kernel (fp32) or oneDNN: the same
+products as ``nn.Linear``, every linear layer replaced, a tied ``lm_head`` leaving the embedding it shares
+intact."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
@@ -11,25 +15,58 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from zserve.generator import cpu_linear
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+def _compiler() -> bool:
+    return shutil.which(os.environ.get("CC") or "cc") is not None
+
+
+# rows: 1-8 take one tile of rows, 17 three of 6/6/5, 300 many; out: 208 = 13 panels of 16 (some in tiles of
+# one panel), 200 is no whole number of panels (oneDNN takes it)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_linear_computes_what_nn_linear_does(rows, bias, dtype):
+@pytest.mark.parametrize(("dtype", "out"), [(torch.float32, 208), (torch.float32, 200), (torch.bfloat16, 208)])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
+def test_a_packed_linear_computes_what_nn_linear_does(rows, bias, dtype, out, native):
     if not cpu_linear.packs(dtype):
         pytest.skip(f"oneDNN does not pack {dtype} on this CPU (bf16 needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    linear = nn.Linear(96, out, bias=bias).to(dtype)
     x = torch.randn(1, rows, 96, dtype=dtype)
     every_other = torch.randn(1, rows, 192, dtype=dtype)[..., ::2]  # not contiguous
+    packed = cpu_linear.PackedLinear(linear, native)
+    if native and dtype == torch.float32 and out % 16 == 0 and _compiler():
+        assert packed.native  # our kernel takes it; elsewhere oneDNN does
+    else:
+        assert not packed.native
     with torch.inference_mode():
         want = linear(x)
-        got = cpu_linear.PackedLinear(linear)(x)
-        strided = cpu_linear.PackedLinear(linear)(every_other)
+        got = packed(x)
+        strided = packed(every_other)
         want_strided = linear(every_other)
     assert got.shape == want.shape == strided.shape
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(strided, want_strided, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_native_kernel_splits_the_panels_over_torchs_threads(threads):
+    if not _compiler():
+        pytest.skip("no C compiler here: the products run on oneDNN")
+    torch.manual_seed(threads)
+    linear = nn.Linear(64, 16 * 23, bias=True)  # 23 panels: groups of 3, 4, 6 and 8 leave a remainder
+    packed = cpu_linear.PackedLinear(linear)
+    saved = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 5, 9, 40):
+            x = torch.randn(rows, 64)
+            torch.set_num_threads(1)
+            alone = packed(x)
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                torch.testing.assert_close(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+            assert torch.equal(packed(x), alone)  # each output is summed by one thread, in the same order
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_prepack_replaces_every_linear_and_keeps_tied_embeddings():

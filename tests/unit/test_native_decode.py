@@ -4,7 +4,9 @@ model's attention layers hand them over."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -33,16 +35,18 @@ def threads(request):
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 80)])
 @pytest.mark.parametrize("threads", [1, 3], indirect=True, ids=["1-thread", "rows-split-3-ways"])
-def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim, threads):
-    kernel = native.decode_kernel(torch.zeros(1, kv_heads, head_dim))
-    if kernel is None:
+@pytest.mark.parametrize("block_size", [8, 16, 48])  # under, at and over the kernel's 16 tokens at a time
+def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim, threads, block_size):
+    if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler here: the engine runs the torch path")
+    kernel = native.decode_kernel(torch.zeros(1, kv_heads, head_dim))
+    assert kernel is not None, "a compiler is here, yet the kernel did not build (see the warning logged)"
     rng = random.Random(head_dim)
-    block_size, num_blocks = 8, 300
+    num_blocks = 2400 // block_size
     torch.manual_seed(heads)
     kc = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     vc = torch.randn(num_blocks * block_size, kv_heads, head_dim)
-    lengths = [1, 8, 9, 16, 17, rng.randrange(2, 400), rng.randrange(2, 400)]
+    lengths = [1, 8, 9, 16, 17, 33, 48, rng.randrange(2, 400), rng.randrange(2, 400)]
     perm = torch.randperm(num_blocks).to(torch.int32)
     tables, used = [], 0
     for n in lengths:
@@ -62,8 +66,9 @@ def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head
 
 
 def test_the_kernel_does_not_apply_off_fp32_cpu_caches():
-    assert native.decode_kernel(torch.zeros(4, 2, 8, dtype=torch.bfloat16)) is None
-    assert native.decode_kernel(torch.zeros(4, 2, 8)[:, :, ::2]) is None  # not contiguous
+    assert native.decode_kernel(torch.zeros(4, 2, 16, dtype=torch.bfloat16)) is None
+    assert native.decode_kernel(torch.zeros(4, 2, 32)[:, :, ::2]) is None  # not contiguous
+    assert native.decode_kernel(torch.zeros(4, 2, 24)) is None  # its vectors are 16 floats of a head
 
 
 def test_without_a_compiler_the_kernel_is_none_and_says_why(monkeypatch, tmp_path, caplog):
@@ -72,7 +77,7 @@ def test_without_a_compiler_the_kernel_is_none_and_says_why(monkeypatch, tmp_pat
     native._library.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="zserve.engine"):
-            assert native.decode_kernel(torch.zeros(4, 2, 8)) is None
+            assert native.decode_kernel(torch.zeros(4, 2, 16)) is None
         assert "no C compiler" in caplog.text
     finally:
         native._library.cache_clear()

@@ -4,7 +4,9 @@ sequences joining a running batch, chunked prefill on and off, and a KV pool sma
 from __future__ import annotations
 
 import copy
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -47,11 +49,13 @@ def prompts(k=16, seed=1):
 @pytest.mark.parametrize(
     ("chunked", "num_blocks", "budget", "batched", "packed", "native"),
     # the third forces preemption; the fourth runs decodes as one padded batch, the path GPUs take; the fifth
-    # has its linear layers on oneDNN-prepacked weights (Generator.load's default on a CPU); the last
-    # attends with torch's SDPA per sequence instead of the C decode kernel
-    [(True, 256, 64, False, False, True), (False, 256, 512, False, False, True), (True, 24, 48, False, False, True),
-     (True, 256, 64, True, False, True), (True, 24, 48, False, True, True), (True, 24, 48, False, False, False)],
-    ids=["chunked", "whole-prompts", "preempting", "batched-decode", "onednn-linear", "torch-decode"],
+    # and sixth have their linear layers on packed weights, through our C kernel (Generator.load's default
+    # on a CPU) and through oneDNN; the last attends with torch's SDPA per sequence instead of the C decode
+    # kernel
+    [(True, 256, 64, False, None, True), (False, 256, 512, False, None, True), (True, 24, 48, False, None, True),
+     (True, 256, 64, True, None, True), (True, 24, 48, False, "native", True), (True, 24, 48, False, "onednn", True),
+     (True, 24, 48, False, None, False)],
+    ids=["chunked", "whole-prompts", "preempting", "batched-decode", "native-linear", "onednn-linear", "torch-decode"],
 )  # fmt: skip
 def test_greedy_matches_generate_with_staggered_arrivals(
     reference, chunked, num_blocks, budget, batched, packed, native
@@ -59,7 +63,11 @@ def test_greedy_matches_generate_with_staggered_arrivals(
     model = copy.deepcopy(reference)
     if packed:
         assert cpu_linear.available(model)
-        assert cpu_linear.prepack(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm_head
+        assert cpu_linear.prepack(model, native=packed == "native") == 2 * 7 + 1  # q k v o gate up down, lm_head
+        kernels = {m.native for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)}
+        if packed == "native" and shutil.which(os.environ.get("CC") or "cc") is None:
+            pytest.skip("no C compiler here: the products run on oneDNN (the onednn case covers this)")
+        assert kernels == {packed == "native"}
     engine = StepCore(
         model,
         num_blocks=num_blocks,

@@ -1,4 +1,6 @@
-"""Linear layers with oneDNN-prepacked weights, for the engine's model on a CPU.
+"""Linear layers with weights packed once at load, for the engine's model on a CPU: for our C kernel
+(``native_linear.py``) where it applies (fp32), else for oneDNN (bf16, and a layer whose outputs are not a
+multiple of 16).
 
 ``torch.nn.functional.linear`` on a CPU hands fp32 products to MKL with the weight in its plain row-major
 layout, which for the few rows of a decode step (4-64) runs far from the memory bandwidth: measured here on
@@ -16,24 +18,34 @@ import functools
 import torch
 from torch import nn
 
+from zserve.generator import native_linear
+
 _PACK_ROWS_HINT = 8  # the rows oneDNN picks its layout for; packing for each row count instead measured the same
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward on a oneDNN-reordered copy of its weight (inference only)."""
+    """``nn.Linear``'s forward on a packed copy of its weight (inference only): ``native_linear``'s panels
+    where ``native`` and the kernel applies, else oneDNN's reordered layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, native: bool = True) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.native = native and native_linear.applies(weight)
+        if self.native:
+            self.packed = native_linear.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native_linear.linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        kernel = "native" if self.native else "onednn"
+        return f"{self.in_features} -> {self.out_features}, bias={self.bias is not None}, {kernel}"
 
 
 def available(model: nn.Module) -> bool:
@@ -59,12 +71,13 @@ def packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def prepack(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` with a ``PackedLinear``; the number replaced."""
+def prepack(model: nn.Module, native: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` with a ``PackedLinear`` (``native``: through our kernel where
+    it applies); the number replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, native))
                 replaced += 1
     return replaced
