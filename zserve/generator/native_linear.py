@@ -2,16 +2,16 @@
 packed once at load into panels of 16 output columns ([N/16][K][16], each panel's 16 weights of one input
 next to each other), so that a product reads the weight once, in order, as one sequential stream.
 
-Why our own: oneDNN's prepacked products (``cpu_linear.py``'s other path, what vLLM's CPU build runs) take
-a decode step's few rows far from what the machine can do. SmolLM2-135M's 121 products per step at 1 thread
-(``bench/studies/linear.py``): 1 row 31 against 17 ms here (the weights read at 25 GB/s, a sequential
-read's speed), 8 rows 33 against 22, 17 rows 46 against 39, 32 rows 74 against 67, and equal at prefill's
-hundreds of rows (~109 GFLOP/s, this core's fp32 peak). The tile: up to 8 rows of x against 3-8 panels
-(up to 24 accumulators of 16 floats), every weight vector loaded once per tile and used by every row; rows
-come in blocks of even size (17 = 6 + 6 + 5, not 8 + 8 + 1). Written with GCC/clang vector extensions, so
-it compiles for any CPU (one AVX-512 register per 16 floats, or two AVX2 ones, or four NEON ones). Torch's
-threads split the panels (an OpenMP loop: the library links the libgomp torch already loaded, so both use
-one thread pool).
+Why our own: oneDNN's prepacked products (``cpu_linear.py``'s other path, what vLLM's CPU build runs) take a
+decode step's few rows far from what the machine can do. SmolLM2-135M's 211 products (its lm_head included) at
+1 thread, ``python -m bench.studies.linear --rows 1,8,17,32,256``: 1 row 24 against oneDNN's 44 ms (the
+weights read at ~22 GB/s, near a sequential read's speed), 8 rows 30 against 48, 17 rows 53 against 64, 32
+rows 89 against 100, and the same at prefill's 256 (652 against 647 ms, ~105 GFLOP/s, this core's fp32 peak).
+The tile: up to 8 rows of x against 3-8 panels (up to 24 accumulators of 16 floats), every weight vector
+loaded once per tile and used by every row; rows come in blocks of even size (17 = 6 + 6 + 5, not 8 + 8 + 1).
+Written with GCC/clang vector extensions, so it compiles for any CPU (one AVX-512 register per 16 floats, or
+two AVX2 ones, or four NEON ones). Torch's threads split the panels (an OpenMP loop: the library links the
+libgomp torch already loaded, so both use one thread pool).
 
 Sums each output over the inputs in order, one accumulator per output: not the order of MKL or oneDNN, so
 results differ from theirs by rounding (~1e-6 relative), as theirs differ from each other's.
