@@ -14,11 +14,14 @@ weights. What changes against Hugging Face's modules:
   * rotary applies to q and k in one call over [T, heads + kv_heads, head_dim] (cos/sin once per step),
     Qwen3's q/k norms too; the residual add is folded into the next norm (``add_rms_norm``);
   * attention is the engine's paged backend (``PagedKVCache.attend``) with the step's metadata.
-The leaf functions are plain torch on a CPU (RMSNorm through torch's fused kernel in fp32) and
+The leaf functions (norms, rotary, SiLU) are C kernels on a CPU in fp32 (``native_pointwise.py``: one
+pass each instead of 3-8 torch ops), plain torch otherwise (RMSNorm through torch's fused kernel), and
 ``torch.compile``-d on CUDA, where each saves kernel launches (not yet run on a GPU).
 
 Greedy output equals Hugging Face ``generate`` token for token (tests/unit/test_own_model.py): every op
-computes what HF's does, in the same order (rotary's halves are HF's ``rotate_half`` written out).
+computes what HF's does, in the same order (rotary's halves are HF's ``rotate_half`` written out); the C
+kernels (products, attention, the leaf functions) sum in their own order, so logits differ from HF's by
+rounding.
 
 Tensor parallel: our layers are sharded as vLLM's (q/k/v and gate/up by output rows, whole heads per rank;
 o_proj and down_proj by input columns, then an all-reduce; their biases on rank 0 only). The embedding and
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zserve.generator import native_pointwise
 from zserve.generator.attention import PagedKVCache, TorchStep
 
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -95,10 +99,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _leaf(fn, device_type: str):
-    """``fn`` as the device runs it best: compiled on CUDA (one kernel instead of 4-8), eager elsewhere."""
+    """``fn`` as the device runs it best: compiled on CUDA (one kernel instead of 4-8), on a CPU our C kernel
+    (``native_pointwise.py``) where it applies, else eager."""
     if device_type == "cuda":
         return torch.compile(fn, dynamic=True)
+    if device_type == "cpu":
+        return functools.partial(_native_or_torch, getattr(native_pointwise, fn.__name__), fn)
     return fn
+
+
+def _native_or_torch(native, fn, x: torch.Tensor, *args):
+    # rotary's and silu_mul's halves are vectors of 16 too
+    width = x.shape[-1] // 2 if fn in (rotary, silu_mul) else x.shape[-1]
+    return native(x, *args) if native_pointwise.applies(x, width) else fn(x, *args)
 
 
 # ---- the model ----

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zserve.generator import grammar
+from zserve.generator import grammar, native_pointwise
 from zserve.generator.sequence import Sequence
 
 _DRAWS = 16  # rejection rounds of top-p per token (then the rows still drawing are sorted)
@@ -109,10 +109,10 @@ class Sampler:
     def _tokens(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled:
-            return logits.argmax(-1)  # the greedy fast path
+            return _argmax(logits)  # the greedy fast path
         if len(sampled) == len(seqs):
             return self._draw(logits, list(seqs))
-        tokens = logits.argmax(-1)
+        tokens = _argmax(logits)
         index = torch.tensor(sampled, device=logits.device)
         tokens[index] = self._draw(logits.index_select(0, index), [seqs[i] for i in sampled])
         return tokens
@@ -311,3 +311,11 @@ def _pick(cdf: torch.Tensor, u: torch.Tensor, ids: torch.Tensor | None, x: torch
     if bool(ok.all()):
         return chosen
     return torch.where(ok, chosen, x.argmax(-1))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, through the C kernel on a CPU in fp32 (0.25x torch's time over SmolLM2's 49k
+    vocabulary: ``native_pointwise.py``)."""
+    if native_pointwise.applies(logits, 16) and logits.dim() == 2:
+        return native_pointwise.argmax(logits)
+    return logits.argmax(-1)

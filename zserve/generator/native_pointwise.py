@@ -1,0 +1,224 @@
+"""C kernels for the small per-layer operations of our Llama-family model on a CPU, in fp32: the residual
+add and RMSNorm, rotary, SiLU times up, and the greedy argmax.
+
+Why: in eager torch each is several ops (RMSNorm alone is pow, mean, add, rsqrt and two products: ~60 us a
+call on SmolLM2 at 32 rows, 61 calls a step), and a decode step of SmolLM2 pays ~40 op dispatches per layer.
+A profile of 32 decodes at 1 thread (``torch.profiler`` over ``StepCore.step``) had these at ~9 ms of the
+step's ~15 ms outside the products and the attention, and ``argmax`` over [32, 49152] at 1.3 ms. Here each
+is one pass over its rows in 16-float vectors (``c_build.py``; the same vector types as ``native.py``).
+
+Not bit for bit torch's: the sums of squares and the exp are ours (Cephes' polynomial, within 2 ulp), so
+results differ from HF's by rounding; greedy output still equals ``generate``'s in the engine's tests.
+Everything that does not fit (not fp32, not on a CPU, a head size or width not a multiple of 16, no C
+compiler) stays on torch: ``applies`` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from zserve.generator import c_build
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load(const float *p) { return *(const v16u *)p; }
+static inline void store(float *p, v16 x) { *(v16u *)p = x; }
+static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+static inline float hsum(v16 x) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+/* exp(x), 16 at a time: Cephes' expf polynomial, x clamped to where fp32 has a result */
+static inline v16 vexp(v16 x) {
+    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.7f;
+    x = vselect(x < lo, lo, vselect(x > hi, hi, x));
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16); /* towards zero, then floor: */
+    n -= vselect(n > y, zero + 1.f, zero);
+    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+}
+
+/* rows [T][G] of D floats (x at x + t*xt + g*xg; residual likewise when not NULL): with a residual,
+   res_out = x + residual first and the norm is over it; out = r * (1 / sqrt(mean(r^2) + eps)) * w[g]
+   (w + g*wg: wg 0 for one weight for every g). out, res_out: [T][G][D] contiguous. D % 16 == 0. */
+void zserve_rms_norm(const float *x, long xt, long xg, const float *res, long rt, long rg, const float *w, long wg,
+                     int T, int G, int D, float eps, float *out, float *res_out) {
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < G; g++) {
+            const float *xr = x + t * xt + g * xg;
+            float *o = out + ((long)t * G + g) * D;
+            const float *r = xr;
+            if (res) {
+                const float *rr = res + t * rt + g * rg;
+                float *ro = res_out + ((long)t * G + g) * D;
+                for (int i = 0; i < D; i += 16) store(ro + i, load(rr + i) + load(xr + i));
+                r = ro;
+            }
+            v16 ss = {0};
+            for (int i = 0; i < D; i += 16) {
+                const v16 v = load(r + i);
+                ss += v * v;
+            }
+            const float inv = 1.f / sqrtf(hsum(ss) / D + eps);
+            const float *wr = w + g * wg;
+            for (int i = 0; i < D; i += 16) store(o + i, load(r + i) * inv * load(wr + i));
+        }
+}
+
+/* out [T][G][D] = x rotated: out[..i] = x1*cos - x2*sin, out[..i+D/2] = x2*cos + x1*sin (x1, x2 the halves),
+   cos/sin [T][D/2] contiguous; x at x + t*xt + g*xg. D % 32 == 0. */
+void zserve_rotary(const float *x, long xt, long xg, const float *cs, const float *sn, int T, int G, int D,
+                   float *out) {
+    const int h = D / 2;
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < G; g++) {
+            const float *xr = x + t * xt + g * xg, *c = cs + (long)t * h, *s = sn + (long)t * h;
+            float *o = out + ((long)t * G + g) * D;
+            for (int i = 0; i < h; i += 16) {
+                const v16 x1 = load(xr + i), x2 = load(xr + h + i), cv = load(c + i), sv = load(s + i);
+                store(o + i, x1 * cv - x2 * sv);
+                store(o + h + i, x2 * cv + x1 * sv);
+            }
+        }
+}
+
+/* out [T][I] = silu(gate) * up, gate_up [T][2I] (row stride ld): gate its first I, up its last. I % 16 == 0. */
+void zserve_silu_mul(const float *gu, long ld, int T, int I, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + t * ld, *u = g + I;
+        float *o = out + (long)t * I;
+        for (int i = 0; i < I; i += 16) {
+            const v16 gv = load(g + i);
+            store(o + i, gv / (1.f + vexp(-gv)) * load(u + i));
+        }
+    }
+}
+
+/* out[r] = the first index of row r's largest value, or of its first NaN (as torch.argmax); x [R][V] (row
+   stride ld) */
+void zserve_argmax(const float *x, long ld, int R, int V, int64_t *out) {
+    for (int r = 0; r < R; r++) {
+        const float *row = x + r * ld;
+        float m = row[0];
+        int i = 0, nan = 0;
+        if (V >= 16) {
+            v16 mv = load(row);
+            v16i nans = mv != mv;
+            for (i = 16; i + 16 <= V; i += 16) {
+                const v16 v = load(row + i);
+                mv = vselect(v > mv, v, mv);
+                nans |= v != v;
+            }
+            for (int j = 0; j < 16; j++) {
+                m = mv[j] > m ? mv[j] : m;
+                nan |= nans[j];
+            }
+        }
+        for (; i < V; i++) {
+            m = row[i] > m ? row[i] : m;
+            nan |= row[i] != row[i];
+        }
+        int64_t at = 0;
+        if (nan)
+            while (row[at] == row[at]) at++;
+        else
+            while (at < V - 1 && row[at] != m) at++;
+        out[r] = at;
+    }
+}
+"""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = c_build.build("pointwise", _SOURCE, c_build.FLAGS, "the CPU norms, rotary and SiLU")
+    if lib is None:
+        return None
+    ptr, c_long, c_int, c_float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.zserve_rms_norm.argtypes = [ptr, c_long, c_long, ptr, c_long, c_long, ptr, c_long, c_int, c_int, c_int,
+                                    c_float, ptr, ptr]  # fmt: skip
+    lib.zserve_rotary.argtypes = [ptr, c_long, c_long, ptr, ptr, c_int, c_int, c_int, ptr]
+    lib.zserve_silu_mul.argtypes = [ptr, c_long, c_int, c_int, ptr]
+    lib.zserve_argmax.argtypes = [ptr, c_long, c_int, c_int, ptr]
+    for fn in (lib.zserve_rms_norm, lib.zserve_rotary, lib.zserve_silu_mul, lib.zserve_argmax):
+        fn.restype = None
+    return lib
+
+
+def applies(x: torch.Tensor, width: int) -> bool:
+    """These kernels can take ``x``: fp32 on a CPU, rows of ``width`` (a multiple of 16) with unit stride."""
+    return (
+        x.dtype == torch.float32 and x.device.type == "cpu" and width % 16 == 0 and x.stride(-1) == 1
+        and _library() is not None
+    )  # fmt: skip
+
+
+def _rows3(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """``x`` [T, D] or [T, G, D] as (T, G, row stride, group stride)."""
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``llama.rms_norm``: ``x`` [T, D] or [T, G, D]; ``weight`` [D], or [G, D] one per group."""
+    t, g, xt, xg = _rows3(x)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    wg = weight.stride(0) if weight.dim() == 2 else 0
+    _library().zserve_rms_norm(
+        x.data_ptr(), xt, xg, None, 0, 0, weight.data_ptr(), wg, t, g, x.shape[-1], eps, out.data_ptr(), None
+    )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``llama.add_rms_norm``: (norm(x + residual), x + residual), ``x`` and ``residual`` [T, D]."""
+    out, summed = torch.empty(x.shape, dtype=torch.float32), torch.empty(x.shape, dtype=torch.float32)
+    _library().zserve_rms_norm(
+        x.data_ptr(), x.stride(0), 0, residual.data_ptr(), residual.stride(0), 0, weight.data_ptr(), 0,
+        x.shape[0], 1, x.shape[-1], eps, out.data_ptr(), summed.data_ptr(),
+    )  # fmt: skip
+    return out, summed
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``llama.rotary``: ``x`` [T, G, D] (any row and group strides), cos/sin [T, 1, D/2] contiguous."""
+    t, g, xt, xg = _rows3(x)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _library().zserve_rotary(x.data_ptr(), xt, xg, cos.data_ptr(), sin.data_ptr(), t, g, x.shape[-1], out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``llama.silu_mul``: ``gate_up`` [T, 2I] -> silu(gate) * up [T, I]."""
+    t, width = gate_up.shape
+    out = torch.empty(t, width // 2, dtype=torch.float32)
+    _library().zserve_silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, width // 2, out.data_ptr())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for ``x`` [R, V] fp32 on a CPU with unit stride along V."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _library().zserve_argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
