@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -180,49 +179,55 @@ static inline __attribute__((always_inline)) void decode_one(
    tables[b * max_blocks ...]. Softmax(q k^T * scale) v per query head. */
 int zserve_paged_decode(const float *q, long q_sb, long q_sh, const float *k, const float *v,
                         const int32_t *tables, long max_blocks, const int32_t *lengths, int B, int H, int Hkv,
-                        int D, int block_size, float scale, float *out, long out_sb, long out_sh) {
+                        int D, int block_size, float scale, float *out, long out_sb, long out_sh, int threads) {
     if (D % 16) return -2;
-    int max_len = 1;
+    int max_len = 1, failed = 0;
     for (int b = 0; b < B; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;
     const int NC = D / 16;
-    void *scores = NULL, *work = NULL;
-    if (posix_memalign(&scores, 64, sizeof(float) * (size_t)H * (size_t)(max_len + 16)) ||
-        posix_memalign(&work, 64, sizeof(v16) * (size_t)H * (size_t)(2 * NC + 16))) {
+    /* the decodes over `threads` threads (torch's own OpenMP pool), one sequence at a time as each frees */
+#pragma omp parallel num_threads(threads) if (threads > 1 && B > 1)
+    {
+        void *scores = NULL, *work = NULL;
+        if (posix_memalign(&scores, 64, sizeof(float) * (size_t)H * (size_t)(max_len + 16)) ||
+            posix_memalign(&work, 64, sizeof(v16) * (size_t)H * (size_t)(2 * NC + 16))) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            v16 *qs = work, *acc = qs + H * NC, *tile = acc + H * NC;
+#pragma omp for schedule(dynamic, 1)
+            for (int b = 0; b < B; b++) {
+                const float *qb = q + b * q_sb;
+                const int32_t *table = tables + (long)b * max_blocks;
+                float *ob = out + b * out_sb;
+                /* the common head sizes as constants: their loops unroll fully */
+                if (NC == 4)
+                    decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, 4, block_size, scale, ob, out_sh, scores,
+                               qs, tile, acc);
+                else if (NC == 8)
+                    decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, 8, block_size, scale, ob, out_sh, scores,
+                               qs, tile, acc);
+                else
+                    decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, NC, block_size, scale, ob, out_sh,
+                               scores, qs, tile, acc);
+            }
+        }
         free(scores);
-        return -1;
+        free(work);
     }
-    v16 *qs = work, *acc = qs + H * NC, *tile = acc + H * NC;
-    for (int b = 0; b < B; b++) {
-        const float *qb = q + b * q_sb;
-        const int32_t *table = tables + (long)b * max_blocks;
-        float *ob = out + b * out_sb;
-        /* the common head sizes as constants: their loops unroll fully */
-        if (NC == 4)
-            decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, 4, block_size, scale, ob, out_sh, scores, qs,
-                       tile, acc);
-        else if (NC == 8)
-            decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, 8, block_size, scale, ob, out_sh, scores, qs,
-                       tile, acc);
-        else
-            decode_one(qb, q_sh, k, v, table, lengths[b], H, Hkv, NC, block_size, scale, ob, out_sh, scores, qs,
-                       tile, acc);
-    }
-    free(scores);
-    free(work);
-    return 0;
+    return failed ? -1 : 0;
 }
 """
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = c_build.build("paged_decode", _SOURCE, [*c_build.FLAGS, "-fopenmp-simd"], "CPU decode attention")
+    lib = c_build.build("paged_decode", _SOURCE, [*c_build.FLAGS, "-fopenmp"], "CPU decode attention")
     if lib is None:
         return None
     fn = lib.zserve_paged_decode
     c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, c_long, c_long, ptr, ptr, ptr, c_long, ptr, c_int, c_int, c_int, c_int, c_int,
-                   ctypes.c_float, ptr, c_long, c_long]  # fmt: skip
+                   ctypes.c_float, ptr, c_long, c_long, c_int]  # fmt: skip
     fn.restype = c_int
     return lib
 
@@ -238,14 +243,11 @@ def decode_kernel(cache: torch.Tensor) -> PagedDecode | None:
 
 
 class PagedDecode:
-    """The kernel over a step's decodes; with torch's thread count above 1, the rows split into that many
-    parts of about equal KV, run on a small thread pool (ctypes releases the GIL for the call)."""
+    """The kernel over a step's decodes; with torch's thread count above 1 the sequences are shared out over
+    torch's own OpenMP threads (the library links the libgomp torch loaded, as ``native_linear`` does)."""
 
     def __init__(self, fn) -> None:
         self._fn = fn
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
-        self._split: tuple[torch.Tensor | None, int, list[tuple[int, int]]] = (None, 0, [])  # lengths, parts, rows
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -259,40 +261,11 @@ class PagedDecode:
             raise ValueError("paged decode: q and out must be float32 with a contiguous head_dim")
         if tables.dtype != torch.int32 or lengths.dtype != torch.int32 or not tables.is_contiguous():
             raise ValueError("paged decode: tables and lengths must be contiguous int32")
-        parts = min(torch.get_num_threads(), q.shape[0])
-        if parts < 2:
-            return self._run(q, k, v, tables, lengths, block_size, scale, out)
-        if self._workers < parts - 1:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool, self._workers = ThreadPoolExecutor(parts - 1, thread_name_prefix="zserve-attention"), parts - 1
-        bounds = self._bounds(lengths, parts)
-        futures = [
-            self._pool.submit(self._run, q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
-            for a, b in bounds[1:] if b > a
-        ]  # fmt: skip
-        a, b = bounds[0]
-        if b > a:
-            self._run(q[a:b], k, v, tables[a:b], lengths[a:b], block_size, scale, out[a:b])
-        for f in futures:
-            f.result()
-
-    def _bounds(self, lengths: torch.Tensor, parts: int) -> list[tuple[int, int]]:
-        """Row ranges of about equal KV, computed once per step: every layer gets the step's same lengths."""
-        last, last_parts, bounds = self._split
-        if lengths is not last or parts != last_parts:
-            cum = lengths.cumsum(0)
-            cuts = torch.searchsorted(cum, cum[-1] * torch.arange(1, parts) // parts, right=True).tolist()
-            bounds = list(zip([0, *cuts], [*cuts, lengths.shape[0]], strict=True))
-            self._split = (lengths, parts, bounds)
-        return bounds
-
-    def _run(self, q, k, v, tables, lengths, block_size: int, scale: float, out) -> None:
         B, H, D = q.shape
         rc = self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
             tables.shape[1], lengths.data_ptr(), B, H, k.shape[1], D, block_size, scale, out.data_ptr(),
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("paged decode: out of memory for the scores")
