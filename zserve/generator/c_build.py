@@ -23,6 +23,41 @@ log = logging.getLogger("zserve.engine")
 
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 
+# What every kernel's source starts with: 16 floats as one vector type, in whatever registers the target has
+# (one AVX-512 register, two AVX2 ones, four NEON ones), through GCC/clang vector extensions; and exp.
+VECTORS = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, at any float's address */
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load(const float *p) { return *(const v16u *)p; }
+static inline void store(float *p, v16 x) { *(v16u *)p = x; }
+static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+/* exp(x), 16 at a time: Cephes' expf polynomial (within 2 ulp of expf), x clamped to where fp32 has one */
+static inline v16 vexp(v16 x) {
+    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.7f;
+    x = vselect(x < lo, lo, vselect(x > hi, hi, x));
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16); /* towards zero, then floor: */
+    n -= vselect(n > y, zero + 1.f, zero);
+    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+}
+"""
+
 
 def _cpu_id() -> str:
     """What -march=native compiles for: the machine and its CPU feature flags."""

@@ -26,25 +26,14 @@ import torch
 
 from zserve.generator import c_build
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* 16 floats, in whatever registers the target has (one AVX-512 register, two AVX2 ones, four NEON ones) */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, at any float's address */
-typedef int32_t v16i __attribute__((vector_size(64)));
+_SOURCE = (
+    c_build.VECTORS
+    + r"""
 #ifdef __clang__
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
 #endif
-
-static inline v16 load(const float *p) { return *(const v16u *)p; }
-static inline void store(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
 
 /* r[i] = the sum of p[i]'s lanes, for 16 vectors at once: a tree of shuffles and adds, ~3 operations per sum
    where summing each vector alone costs ~10 */
@@ -61,24 +50,6 @@ static inline v16 sum16(const v16 *p) {
                 SHUF(s2[2 * i], s2[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     return SHUF(s3[0], s3[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            SHUF(s3[0], s3[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-
-/* exp(x) for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, 16 at a time */
-static inline v16 exp_nonpositive(v16 x) {
-    const v16 zero = {0}, lo = zero - 87.3f;
-    x = vselect(x < lo, lo, x);
-    const v16 y = x * 1.44269504088896341f + 0.5f;
-    v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16); /* towards zero, then floor: */
-    n -= vselect(n > y, zero + 1.f, zero);
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
 }
 
 /* Every cache line of row i of the block at base (nothing when base is NULL), into L2: blocks lie anywhere
@@ -145,7 +116,7 @@ static inline __attribute__((always_inline)) void decode_one(
         for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
         v16 sv = {0};
         for (int t = 0; t < Lp; t += 16) {
-            const v16 e = exp_nonpositive(load(sc + t) - m);
+            const v16 e = vexp(load(sc + t) - m);
             store(sc + t, e);
             sv += e;
         }
@@ -217,6 +188,7 @@ int zserve_paged_decode(const float *q, long q_sb, long q_sh, const float *k, co
     return failed ? -1 : 0;
 }
 """
+)
 
 
 @functools.cache

@@ -50,12 +50,9 @@ _TILE = r"""
 """
 _PANELS = (1, 3, 4, 6, 8)  # panels per tile: 1 for a row's last panels, the rest as rows_per_block picks
 _SOURCE = (
-    r"""
-#include <stdint.h>
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, at any float's address */
+    c_build.VECTORS
+    + r"""
 typedef void (*tile_fn)(const float *, long, const float *, int, const float *, float *, long);
-static inline v16 load(const float *p) { return *(const v16u *)p; }
 """
     + _TILE
     + "\n".join(" ".join(f"TILE({mb}, {np})" for np in _PANELS) for mb in range(1, 9))

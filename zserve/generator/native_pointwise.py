@@ -5,7 +5,7 @@ Why: in eager torch each is several ops (RMSNorm alone is pow, mean, add, rsqrt 
 call on SmolLM2 at 32 rows, 61 calls a step), and a decode step of SmolLM2 pays ~40 op dispatches per layer.
 A profile of 32 decodes at 1 thread (``torch.profiler`` over ``StepCore.step``) had these at ~9 ms of the
 step's ~15 ms outside the products and the attention, and ``argmax`` over [32, 49152] at 1.3 ms. Here each
-is one pass over its rows in 16-float vectors (``c_build.py``; the same vector types as ``native.py``).
+is one pass over its rows in 16-float vectors (``c_build.VECTORS``, as ``native.py`` and ``native_linear.py``).
 
 Not bit for bit torch's: the sums of squares and the exp are ours (Cephes' polynomial, within 2 ulp), so
 results differ from HF's by rounding; greedy output still equals ``generate``'s in the engine's tests.
@@ -22,40 +22,13 @@ import torch
 
 from zserve.generator import c_build
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16 load(const float *p) { return *(const v16u *)p; }
-static inline void store(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+_SOURCE = (
+    c_build.VECTORS
+    + r"""
 static inline float hsum(v16 x) {
     float s = 0.f;
     for (int i = 0; i < 16; i++) s += x[i];
     return s;
-}
-
-/* exp(x), 16 at a time: Cephes' expf polynomial, x clamped to where fp32 has a result */
-static inline v16 vexp(v16 x) {
-    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.7f;
-    x = vselect(x < lo, lo, vselect(x > hi, hi, x));
-    const v16 y = x * 1.44269504088896341f + 0.5f;
-    v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16); /* towards zero, then floor: */
-    n -= vselect(n > y, zero + 1.f, zero);
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
 }
 
 /* rows [T][G] of D floats (x at x + t*xt + g*xg; residual likewise when not NULL): with a residual,
@@ -147,6 +120,7 @@ void zserve_argmax(const float *x, long ld, int R, int V, int64_t *out) {
     }
 }
 """
+)
 
 
 @functools.cache
