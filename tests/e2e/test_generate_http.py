@@ -140,7 +140,8 @@ def test_chat_logprobs_and_completion_logprobs(oai):
                                               logprobs=True, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
     carrying = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [t for c in carrying for t in c.logprobs.content]
-    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    # to rounding: the second request may read the first's prompt blocks from the prefix cache
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
     assert len(carrying) > 1 and carrying[0].delta.content  # token by token, each with its chunk's text
     assert all(c.delta.content or c.finish_reason for c in carrying)  # a token's logprobs go with its text
     args = {"model": "tiny", "prompt": "DeepSpeed is", "max_tokens": 6, "temperature": 0, "logprobs": 2,
@@ -153,7 +154,7 @@ def test_chat_logprobs_and_completion_logprobs(oai):
     assert len(events) > 1
     assert [t for e in events for t in e.logprobs.tokens] == lp.tokens
     assert [o for e in events for o in e.logprobs.text_offset] == lp.text_offset
-    assert [x for e in events for x in e.logprobs.token_logprobs] == lp.token_logprobs
+    assert [x for e in events for x in e.logprobs.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_as_hf_computes_them(oai, tiny_path):
@@ -170,7 +171,9 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_as_hf_computes_them
     assert choice.text == prompt + plain.choices[0].text
     assert lp.tokens == [tokenizer.decode([t]) for t in ids] + plain.choices[0].logprobs.tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
+    # equal to rounding, not bit for bit: the plain request reads the echo's first block from the prefix cache
+    # and computes the rest as a later chunk, whose attention rounds otherwise than the whole prompt's
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert lp.text_offset[len(ids)] == len(prompt) and lp.text_offset[:2] == [0, len(lp.tokens[0])]
     model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
     with torch.inference_mode():
