@@ -48,7 +48,7 @@ _TILE = r"""
             for (int p = 0; p < NP; p++) *(v16u *)(y + m * ldy + p * 16) = acc[m][p];                        \
     }
 """
-_PANELS = (1, 3, 4, 6, 8)  # panels per tile: 1 for a row's last panels, the rest as rows_per_block picks
+_PANELS = (1, 3, 4, 6, 8)  # panels per tile: zserve_linear picks by rows per block; 1 for a last, partial group
 _SOURCE = (
     c_build.VECTORS
     + r"""
