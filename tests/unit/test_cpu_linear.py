@@ -4,19 +4,12 @@ intact."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.generator import cpu_linear
-
-
-def _compiler() -> bool:
-    return shutil.which(os.environ.get("CC") or "cc") is not None
+from zserve.generator import c_build, cpu_linear
 
 
 # rows: 1-8 take one tile of rows, 17 three of 6/6/5, 300 many; out: 208 = 13 panels of 16 (some in tiles of
@@ -33,7 +26,7 @@ def test_a_packed_linear_computes_what_nn_linear_does(rows, bias, dtype, out, na
     x = torch.randn(1, rows, 96, dtype=dtype)
     every_other = torch.randn(1, rows, 192, dtype=dtype)[..., ::2]  # not contiguous
     packed = cpu_linear.PackedLinear(linear, native)
-    if native and dtype == torch.float32 and out % 16 == 0 and _compiler():
+    if native and dtype == torch.float32 and out % 16 == 0 and c_build.has_compiler():
         assert packed.native  # our kernel takes it; elsewhere oneDNN does
     else:
         assert not packed.native
@@ -50,7 +43,7 @@ def test_a_packed_linear_computes_what_nn_linear_does(rows, bias, dtype, out, na
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_native_kernel_splits_the_panels_over_torchs_threads(threads):
-    if not _compiler():
+    if not c_build.has_compiler():
         pytest.skip("no C compiler here: the products run on oneDNN")
     torch.manual_seed(threads)
     linear = nn.Linear(64, 16 * 23, bias=True)  # 23 panels: groups of 3, 4, 6 and 8 leave a remainder

@@ -4,15 +4,13 @@ model's attention layers hand them over."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from zserve.generator import native
+from zserve.generator import c_build, native
 
 
 def reference(q, kc, vc, tables, lengths, block_size, scale):
@@ -37,7 +35,7 @@ def threads(request):
 @pytest.mark.parametrize("threads", [1, 3], indirect=True, ids=["1-thread", "rows-split-3-ways"])
 @pytest.mark.parametrize("block_size", [8, 16, 48])  # under, at and over the kernel's 16 tokens at a time
 def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim, threads, block_size):
-    if shutil.which(os.environ.get("CC") or "cc") is None:
+    if not c_build.has_compiler():
         pytest.skip("no C compiler here: the engine runs the torch path")
     kernel = native.decode_kernel(torch.zeros(1, kv_heads, head_dim))
     assert kernel is not None, "a compiler is here, yet the kernel did not build (see the warning logged)"

@@ -4,17 +4,12 @@ the kernels do not take run the torch function; the greedy argmax picks torch's 
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
-from zserve.generator import llama, native_pointwise
+from zserve.generator import c_build, llama, native_pointwise
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here: these run on torch"
-)
+pytestmark = pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: these run on torch")
 
 
 def close(got, want):

@@ -85,17 +85,26 @@ def _compile(compiler: str, name: str, source: str, flags: list[str], target: Pa
         os.replace(built, target)  # atomic: engines starting together each build, the last one wins
 
 
+def compiler() -> str:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``."""
+    return os.environ.get("CC") or "cc"
+
+
+def has_compiler() -> bool:
+    return shutil.which(compiler()) is not None
+
+
 def build(name: str, source: str, flags: list[str], what: str) -> ctypes.CDLL | None:
     """``source`` compiled with ``flags`` and loaded, or None (with a warning naming ``what`` runs slower)."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        log.warning("no C compiler (%s) found: %s runs on torch (slower)", compiler, what)
+    cc = compiler()
+    if shutil.which(cc) is None:
+        log.warning("no C compiler (%s) found: %s runs on torch (slower)", cc, what)
         return None
-    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     target = zserve_cache() / "kernels" / f"{name}-{key}.so"
     try:
         if not target.exists():
-            _compile(compiler, name, source, flags, target)
+            _compile(cc, name, source, flags, target)
             log.info("compiled %s's kernel into %s", what, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:

@@ -104,14 +104,13 @@ def _leaf(fn, device_type: str):
     if device_type == "cuda":
         return torch.compile(fn, dynamic=True)
     if device_type == "cpu":
-        return functools.partial(_native_or_torch, getattr(native_pointwise, fn.__name__), fn)
+        halves = fn in (rotary, silu_mul)  # their halves are vectors of 16 too
+        return functools.partial(_native_or_torch, getattr(native_pointwise, fn.__name__), fn, 2 if halves else 1)
     return fn
 
 
-def _native_or_torch(native, fn, x: torch.Tensor, *args):
-    # rotary's and silu_mul's halves are vectors of 16 too
-    width = x.shape[-1] // 2 if fn in (rotary, silu_mul) else x.shape[-1]
-    return native(x, *args) if native_pointwise.applies(x, width) else fn(x, *args)
+def _native_or_torch(native, fn, parts: int, x: torch.Tensor, *args):
+    return native(x, *args) if native_pointwise.applies(x, x.shape[-1] // parts) else fn(x, *args)
 
 
 # ---- the model ----

@@ -140,11 +140,12 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def applies(x: torch.Tensor, width: int) -> bool:
-    """These kernels can take ``x``: fp32 on a CPU, rows of ``width`` (a multiple of 16) with unit stride."""
+def applies(x: torch.Tensor, width: int | None = None) -> bool:
+    """These kernels can take ``x``: fp32 on a CPU with unit stride along its rows, whose ``width`` (what the
+    kernel vectorises over) is a multiple of 16; None for a kernel that takes any width (``argmax``)."""
     return (
-        x.dtype == torch.float32 and x.device.type == "cpu" and width % 16 == 0 and x.stride(-1) == 1
-        and _library() is not None
+        x.dtype == torch.float32 and x.device.type == "cpu" and (width is None or width % 16 == 0)
+        and x.stride(-1) == 1 and _library() is not None
     )  # fmt: skip
 
 
