@@ -22,6 +22,7 @@ from zserve.config import FrontendSettings
 from zserve.frontends.auth import RequireApiKey, api_keys_from
 from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_models
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
+from zserve.frontends.limits import Limits
 from zserve.frontends.openapi import OpenApiResource, openapi_document
 from zserve.frontends.rerank_routes import RerankResource, ScoreResource, rerank_models
 from zserve.frontends.resources import (
@@ -77,20 +78,22 @@ def create_frontend(settings: FrontendSettings | None = None) -> Frontend:
     app = falcon.asgi.App(cors_enable=False, middleware=middleware)
     app.req_options.auto_parse_form_urlencoded = False
     app.set_error_serializer(error_serializer)
-    predict = PredictRoute(client, handlers, settings.max_body_bytes)
+    limits = Limits.from_settings(settings)
+    body = settings.max_body_bytes
+    predict = PredictRoute(client, handlers, body, limits)
     app.add_route("/v1/models/{name}/predict", PredictResource(predict))
     app.add_route("/v1/models", ModelsResource(handlers))
     if any(h.generative for h in handlers.values()):  # the same test as openapi_document's
-        app.add_route("/v1/completions", CompletionsResource(client, handlers, settings.max_body_bytes))
-        app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, settings.max_body_bytes))
-        app.add_route("/mii/{deployment}", MiiResource(client, handlers, settings.max_body_bytes))
+        app.add_route("/v1/completions", CompletionsResource(client, handlers, body, limits))
+        app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, body, limits))
+        app.add_route("/mii/{deployment}", MiiResource(client, handlers, body, limits))
     if embedding_models(handlers):
-        app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, settings.max_body_bytes))
+        app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, body, limits))
     if rerank_models(handlers):
-        rerank = RerankResource(client, handlers, settings.max_body_bytes)
+        rerank = RerankResource(client, handlers, body, limits)
         app.add_route("/v1/rerank", rerank)
         app.add_route("/v2/rerank", rerank)  # Cohere's v2 path; the same body and answer
-        app.add_route("/v1/score", ScoreResource(client, handlers, settings.max_body_bytes))
+        app.add_route("/v1/score", ScoreResource(client, handlers, body, limits))
     app.add_route("/healthz", LiveResource())
     staged = [m.name for m in settings.models if m.preprocess]
     app.add_route("/readyz", ReadyResource(health, list(handlers), staged))

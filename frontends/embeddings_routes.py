@@ -8,7 +8,6 @@ its stage tokenised them (prompts included). Errors come in OpenAI's shape.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from typing import Any
@@ -22,6 +21,8 @@ from zserve.client import AsyncClient
 from zserve.errors import BadRequest
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, decode_body
+from zserve.frontends.fanout import gather_or_cancel
+from zserve.frontends.limits import Limits
 from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
@@ -36,17 +37,6 @@ def embedding_models(handlers: dict[str, Model]) -> dict[str, SentenceEmbedding]
 def _vector(output: np.ndarray, encoding_format: str) -> list[float] | str:
     vector = np.asarray(output, dtype="<f4")  # what OpenAI's base64 holds: little-endian float32
     return base64.b64encode(vector.tobytes()).decode() if encoding_format == "base64" else vector.tolist()
-
-
-async def gather_or_cancel(coros: list[Any]) -> list[Any]:
-    """All results, or the first error with the other requests cancelled (no work for a failed call)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
 
 
 def input_bodies(request: EmbeddingRequest) -> list[dict[str, Any]]:
@@ -74,10 +64,13 @@ def _as_input_field(exc: BadRequest) -> BadRequest:
 
 
 class EmbeddingsResource:
-    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+    def __init__(
+        self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int, limits: Limits | None = None
+    ) -> None:
         self.client = client
         self.models = embedding_models(handlers)
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
         self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -90,8 +83,10 @@ class EmbeddingsResource:
             if model is None:
                 raise RequestError(404, "model_not_found", f"no embedding model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
+            bodies = input_bodies(request)
+            self.limits.check_inputs(name, len(bodies), "input")
             items = []
-            for i, body in enumerate(input_bodies(request)):
+            for i, body in enumerate(bodies):
                 try:
                     items.append(decode_item(model, body))
                 except BadRequest as exc:

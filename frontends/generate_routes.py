@@ -43,6 +43,8 @@ from zserve.frontends.api_types import (
     Usage,
     decode_body,
 )
+from zserve.frontends.fanout import gather_or_cancel
+from zserve.frontends.limits import Limits
 from zserve.frontends.resources import (
     RequestError,
     answer_error,
@@ -94,10 +96,13 @@ class _ChoiceState:
 class _GenerateRoute:
     """What every generation route shares: the generative models, body reading, metrics."""
 
-    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+    def __init__(
+        self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int, limits: Limits | None = None
+    ) -> None:
         self.client = client
         self.models = {name: h for name, h in handlers.items() if h.generative}
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
         self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
 
     def _model(self, name: Any) -> Model:
@@ -149,6 +154,7 @@ class _OpenAIRoute(_GenerateRoute):
             name = body.get("model")
             model = self._model(name)
             named.append(name)
+            self._check_limits(name, body)
             prompts = self._requests(model, body)
             items = openai_params.choices(prompts, body.get("n") or 1)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
@@ -161,7 +167,7 @@ class _OpenAIRoute(_GenerateRoute):
                     usage = bool((body.get("stream_options") or {}).get("include_usage"))
                     streams = [self.client.generate_stream(item, model=name, decoded=True) for item in items]
                     try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
-                        firsts = await asyncio.gather(*(_first(s) for s in streams))
+                        firsts = await gather_or_cancel([_first(s) for s in streams])
                     except BaseException:
                         for s in streams:
                             await s.aclose()
@@ -169,7 +175,7 @@ class _OpenAIRoute(_GenerateRoute):
                     resp.sse = self._stream(streams, firsts, states, meta, usage)
                     resp.set_header("Cache-Control", "no-cache")
                     return
-                responses = await asyncio.gather(*(self._run(name, item) for item in items))
+                responses = await gather_or_cancel([self._run(name, item) for item in items])
             except BadRequest as exc:
                 raise self._refused(body, exc) from None
             resp.data = _json.encode(self._completion(meta, responses, states, n))
@@ -180,6 +186,24 @@ class _OpenAIRoute(_GenerateRoute):
     def _refused(self, body: dict[str, Any], exc: BadRequest) -> BadRequest:
         """The engine's refusal as the client should read it (chat: a tool schema it cannot compile)."""
         return exc
+
+    def _check_limits(self, name: str, body: dict[str, Any]) -> None:
+        """``[limits]`` on a body whose JSON types ``decode_body`` checked, before any prompt is decoded."""
+        limits = self.limits
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) else 1
+        n = body.get("n") or 1
+        what = f"sequences ({prompts} prompts x n={n})"
+        limits.check_inputs(name, prompts * n, "prompt" if prompts > 1 else "n", what)
+        limits.check_stop(body.get("stop"))
+        limits.check_logit_bias(body.get("logit_bias"))
+        limits.check_tools(body.get("tools"))
+        fmt = body.get("response_format")
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+        if isinstance(spec, dict) and spec.get("schema") is not None:
+            limits.check_schema(spec["schema"], "response_format")
+        if body.get("guided_json") is not None:
+            limits.check_schema(body["guided_json"], "guided_json")
 
     def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
         """Each choice's state (completions' ``echo``: its prompt as prefix)."""
@@ -329,8 +353,10 @@ class ChatCompletionsResource(_OpenAIRoute):
     answer_type = ChatCompletion
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
-        super().__init__(client, handlers, max_body_bytes)
+    def __init__(
+        self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int, limits: Limits | None = None
+    ) -> None:
+        super().__init__(client, handlers, max_body_bytes, limits)
         # each model's tool-call parser for tool_choice auto, once (``auto`` reads its chat template's file)
         self.tool_parsers = {name: openai_params.tool_parser(model) for name, model in self.models.items()}
 
@@ -442,8 +468,11 @@ class MiiResource(_GenerateRoute):
             named.append(deployment)
             body = await read_json(req, self.max_body_bytes)
             decode_body(body, MiiRequest)
+            prompts = body.get("prompts")
+            self.limits.check_inputs(deployment, len(prompts) if isinstance(prompts, list) else 1, "prompts", "prompts")
+            self.limits.check_stop(body.get("stop"))
             items = self._requests(model, body)
-            responses = await asyncio.gather(*(self._run(deployment, item) for item in items))
+            responses = await gather_or_cancel([self._run(deployment, item) for item in items])
             resp.data = _json.encode(responses)
             resp.content_type = falcon.MEDIA_JSON
 

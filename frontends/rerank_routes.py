@@ -32,7 +32,8 @@ from zserve.frontends.api_types import (
     ScoreResponse,
     decode_body,
 )
-from zserve.frontends.embeddings_routes import gather_or_cancel
+from zserve.frontends.fanout import gather_or_cancel
+from zserve.frontends.limits import Limits
 from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
 from zserve.model import Model
 from zserve.models.rerank import CrossEncoderRerank
@@ -63,10 +64,13 @@ class _PairsResource:
     """Decode a body, score its (query, document) pairs through the broker, answer; subclasses say how a
     body becomes pairs and how scores become the answer."""
 
-    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+    def __init__(
+        self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int, limits: Limits | None = None
+    ) -> None:
         self.client = client
         self.models = rerank_models(handlers)
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
         self.metrics = {name: metrics.ModelMetrics(name) for name in self.models}
 
     def pairs(self, body: Any) -> tuple[str, Any, list[tuple[str, str]], str]:
@@ -85,6 +89,7 @@ class _PairsResource:
             if model is None:
                 raise RequestError(404, "model_not_found", f"no rerank model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
+            self.limits.check_inputs(name, len(pairs), field, "pairs")
             items = []
             for i, (query, document) in enumerate(pairs):
                 try:

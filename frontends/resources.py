@@ -17,6 +17,7 @@ from zserve.client import Answer, AsyncClient
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
+from zserve.frontends.limits import Limits
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -181,17 +182,29 @@ class PredictRoute:
     """The native predict route without HTTP: a body to the model's item, an Answer to the response body.
     The falcon resource and the fast HTTP path (``fast_http.py``) both run it, so they answer alike."""
 
-    def __init__(self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int) -> None:
+    def __init__(
+        self, client: AsyncClient, handlers: dict[str, Model], max_body_bytes: int, limits: Limits | None = None
+    ) -> None:
         self.client = client
         self.handlers = handlers
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
         self.metrics = {name: metrics.ModelMetrics(name) for name in handlers}
 
     def item(self, handler: Model, raw: bytes, content_type: str) -> Any:
         """``decode_request`` of the body (read within ``max_body_bytes`` by the caller): bytes for a raw
-        content type (RAW_CONTENT_TYPES), else its JSON. Raises RequestError or BadRequest (400)."""
+        content type (RAW_CONTENT_TYPES), else its JSON; a generation request within ``[limits]``. Raises
+        RequestError or BadRequest (400)."""
         body = raw if content_type.lower().startswith(RAW_CONTENT_TYPES) else decode_json(raw)
-        return decode_item(handler, body)
+        item = decode_item(handler, body)
+        if handler.generative and isinstance(item, dict):  # a GenerateRequest's fields (the engine's names)
+            limits = self.limits
+            limits.check_stop(item.get("stop"))
+            limits.check_logit_bias(item.get("logit_bias"))
+            limits.check_tools(item.get("tools"))
+            if item.get("json_schema") is not None:
+                limits.check_schema(item["json_schema"], "json_schema")
+        return item
 
     @staticmethod
     def response_body(handler: Model, answer: Answer) -> bytes:

@@ -167,6 +167,39 @@ class FrontendsConfig(_Section, kw_only=True):
             self.workers = max(1, usable_cores() // 2)
 
 
+class LimitsConfig(_Section, kw_only=True):
+    """``[limits]``: how much work one HTTP request may ask for, so that one caller cannot take a model's queue, an
+    engine's step or its grammar compiler from the others. The frontends check them while they decode the body,
+    before anything reaches the broker; past one, the answer is 400 naming the field (`prompt`, `input`, `stop`,
+    ...). See [limits](http-api.md#limits-per-request)."""
+
+    max_inputs: PositiveInt | None = None
+    """Pieces of work one request may spawn: prompts x `n` of `/v1/completions` (and `/mii` prompts), inputs of
+    `/v1/embeddings`, documents of `/v1/rerank`, pairs of `/v1/score`. Unset: an eighth of the model's `max_queue`
+    (128 for the default 1024), at least 1."""
+    max_stop: PositiveInt = 16
+    """Stop strings per request (`stop`)."""
+    max_stop_chars: PositiveInt = 256
+    """Characters in one stop string."""
+    max_logit_bias: PositiveInt = 300
+    """Entries of `logit_bias` (OpenAI's own limit)."""
+    max_tools: PositiveInt = 128
+    """Tools of one chat request (`tools`; OpenAI's own limit)."""
+    max_schema_bytes: PositiveInt = 65536
+    """Bytes of a JSON schema as JSON text: `response_format`'s, `guided_json`, and all the tools' together (`tools`:
+    a forced `tool_choice` compiles them as one grammar)."""
+    max_schema_depth: PositiveInt = 32
+    """Nesting of objects and arrays in one schema (an object property that is an object is two levels: the
+    `properties` table and the property's schema)."""
+    max_schema_properties: PositiveInt = 256
+    """Object properties in one schema, counted over every `properties` table in it (the tools': over all of them).
+    The grammar compile's time grows with them: thousands of optional properties took minutes."""
+
+    def inputs_for(self, model: ModelConfig) -> int:
+        """``max_inputs`` for ``model``: the configured number, else an eighth of its queue."""
+        return self.max_inputs if self.max_inputs is not None else max(1, model.max_queue // 8)
+
+
 class ModelConfig(_Section, kw_only=True):
     """``[[models]]``: one table per model served."""
 
@@ -244,11 +277,12 @@ class ModelConfig(_Section, kw_only=True):
 
 
 class Config(_Section, kw_only=True):
-    """The whole supervisor.toml: three tables, and one ``[[models]]`` table per model."""
+    """The whole supervisor.toml: four tables, and one ``[[models]]`` table per model."""
 
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
     frontends: FrontendsConfig = msgspec.field(default_factory=FrontendsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     models: list[ModelConfig] = []
 
     def __post_init__(self) -> None:
@@ -342,6 +376,7 @@ class ServedModel(msgspec.Struct, kw_only=True):
     timeout_ms: int = 30_000
     preprocess: bool = False  # has a preprocess stage: /readyz also waits for one
     max_batch_cost: int = 0  # > 0: the frontends report each item's cost (``Model.cost``) with its Submit
+    max_inputs: int = 128  # [limits] max_inputs for this model, resolved
 
 
 class FrontendSettings(msgspec.Struct, kw_only=True):
@@ -353,6 +388,7 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
     api_keys_file: str = ""  # absolute (resolved where `zserve up` runs)
     auth_health: bool = False
     probe_key: str = ""  # the supervisor's own key, accepted on the health routes only (its /readyz polls)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     @classmethod
     def from_config(
@@ -369,6 +405,7 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                     timeout_ms=m.timeout_ms,
                     preprocess=m.name in staged,
                     max_batch_cost=m.max_batch_cost,
+                    max_inputs=config.limits.inputs_for(m),
                 )
                 for m in config.models
             ],
@@ -376,6 +413,7 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
             api_keys_file=str(Path(f.api_keys_file).expanduser().resolve()) if f.api_keys_file else "",
             auth_health=f.auth_health,
             probe_key=probe_key,
+            limits=config.limits,
         )
 
 
@@ -391,9 +429,9 @@ def to_toml(config: Config) -> str:
     """``config`` as a supervisor.toml that ``load_config`` reads back to the same Config."""
     data = msgspec.to_builtins(config)
     lines: list[str] = []
-    for section in ("supervisor", "broker", "frontends"):
+    for section in ("supervisor", "broker", "frontends", "limits"):
         lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in data[section].items()]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in data[section].items() if value is not None]
         lines.append("")
     for model in data["models"]:
         options = model.pop("options", {})
