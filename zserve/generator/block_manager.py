@@ -12,12 +12,19 @@ tells a waiting prompt how many leading blocks it can share now and whether more
 another sequence (then it should wait for them: sharing a block before its owner's prefill wrote it would
 read garbage). Free blocks keep their hash and KV until handed out again, least recently freed first.
 Every operation is O(1) per block it touches.
+
+The hash chain is ``zserve.batching.prefix_hash`` (stable across processes and hosts), the one the broker's
+router computes over a request's prompt. When ``report_events`` is on, every hash that enters or leaves the
+cache's index is noted (its last state wins) until ``take_events`` collects the net change: what the engine
+tells the broker it stored and evicted.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from zserve.batching.prefix_hash import ROOT, chain_hash
 
 
 class BlockPoolExhausted(RuntimeError):
@@ -55,6 +62,22 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
         self.by_hash: dict[int, int] = {}  # prefix hash -> block id (may be free: reusable until overwritten)
+        # hash -> True (entered by_hash) / False (left it) since the last take_events; None: not reported
+        self._events: dict[int, bool] | None = None
+
+    def report_events(self) -> list[int]:
+        """Start noting what enters and leaves the cache; returns the hashes it holds now (the snapshot the
+        notes are relative to)."""
+        self._events = {}
+        return list(self.by_hash)
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """(hashes stored, hashes evicted) since the last call, each at most once: the net change."""
+        events = self._events
+        if not events:
+            return [], []
+        self._events = {}
+        return [h for h, stored in events.items() if stored], [h for h, stored in events.items() if not stored]
 
     @property
     def num_free(self) -> int:
@@ -66,9 +89,9 @@ class BlockManager:
     def _hashes(self, seq: SeqBlocks) -> list[int]:
         """The prefix hashes of the sequence's full blocks, extended for the blocks filled since last time."""
         bs, tokens, hashes = self.block_size, seq.token_ids, seq.hashes
-        h = hashes[-1] if hashes else 0
+        h = hashes[-1] if hashes else ROOT
         for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-            h = hash((h, tuple(tokens[start : start + bs])))
+            h = chain_hash(h, tokens[start : start + bs])
             hashes.append(h)
         return hashes
 
@@ -144,13 +167,18 @@ class BlockManager:
     def _seal(self, block_id: int, prefix_hash: int | None) -> None:
         """Record (or clear) the prefix hash of a block just filled (or just handed out)."""
         block = self.blocks[block_id]
+        events = self._events
         if block.prefix_hash is not None and self.by_hash.get(block.prefix_hash) == block_id:
             del self.by_hash[block.prefix_hash]
+            if events is not None:
+                events[block.prefix_hash] = False
         block.prefix_hash = prefix_hash
         # the first block known by a hash keeps it: a duplicate (computed by a sharer that could not wait)
         # must not hide a block whose KV already exists
         if prefix_hash is not None and self.prefix_caching and prefix_hash not in self.by_hash:
             self.by_hash[prefix_hash] = block_id
+            if events is not None:
+                events[prefix_hash] = True
 
     def can_append(self, seq: SeqBlocks) -> bool:
         """Whether the sequence's next token has a slot (a new block is needed every block_size tokens)."""
