@@ -27,6 +27,7 @@ import numpy as np
 from zserve.errors import BadRequest
 from zserve.model import Model
 from zserve.models.classification import encode_ranked, ranked_labels
+from zserve.models.st_library import HF_LOAD_KWARGS
 from zserve.models.text import object_body, reject_unknown
 
 DEFAULT_MAX_PIXELS = 40_000_000
@@ -121,7 +122,7 @@ class ImageClassification(Model):
         hf_logging.disable_progress_bar()
         self.torch = torch
         self.device = torch.device(device)
-        self.model = AutoModelForImageClassification.from_pretrained(self.path).to(self.device).eval()
+        self.model = AutoModelForImageClassification.from_pretrained(self.path, **HF_LOAD_KWARGS).to(self.device).eval()
         config = self.model.config
         self.labels = [config.id2label.get(i, f"LABEL_{i}") for i in range(config.num_labels)]
 

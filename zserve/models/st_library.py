@@ -24,6 +24,13 @@ from zserve.errors import ModelLoadError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# Keyword arguments for every transformers ``from_pretrained`` of a batch model. transformers 5.25 turned the
+# ``kernels`` package's hub kernels on by default (``use_kernels=None`` became True; 5.17 to 5.24 default to False):
+# every load then kernelizes the model for its device, which on the stage's weightless copy raises "ValueError:
+# Unsupported device type 'meta'", and on an engine would swap layers for code fetched from the Hub at start. False,
+# which every 5.x accepts, keeps what 5.24 did: the library's own modules, the parity tests' reference.
+HF_LOAD_KWARGS: dict[str, Any] = {"use_kernels": False}
+
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
@@ -51,8 +58,8 @@ def load(cls: type, folder: str, device: str | None, **kwargs: Any) -> Any:
     hf_logging.disable_progress_bar()  # one log line per event, not a progress bar per load
     try:
         if device is None:
-            return cls(folder, model_kwargs={"device_map": "meta"}, **kwargs)
-        return cls(folder, device=device, **kwargs)
+            return cls(folder, model_kwargs={"device_map": "meta", **HF_LOAD_KWARGS}, **kwargs)
+        return cls(folder, device=device, model_kwargs=dict(HF_LOAD_KWARGS), **kwargs)
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
         raise ModelLoadError(f"{folder}: sentence-transformers cannot load this folder: {why}") from exc

@@ -16,7 +16,7 @@ import numpy as np
 
 from zserve.errors import BadRequest
 from zserve.model import Model
-from zserve.models.st_library import check_dtype, torch_dtype
+from zserve.models.st_library import HF_LOAD_KWARGS, check_dtype, torch_dtype
 
 MAX_TEXT_CHARS = 100_000
 COUNT_LIMIT = 512  # tokens counted for cost where max_length = 0 (the model's limit, which frontends do not load)
@@ -106,7 +106,7 @@ class TextModel(Model):
         self.device = torch.device(device)
         auto = getattr(transformers, self.auto_class)
         dtype = torch_dtype(self.dtype, self.device)
-        self.model = auto.from_pretrained(self.folder(), dtype=dtype).to(self.device).eval()
+        self.model = auto.from_pretrained(self.folder(), dtype=dtype, **HF_LOAD_KWARGS).to(self.device).eval()
 
     def warmup(self) -> None:
         self.predict({"input_ids": np.array([[1, 2, 3]], dtype=np.int64), "attention_mask": np.ones((1, 3), np.int64)})
