@@ -37,7 +37,12 @@ from zserve.transport import die_with_parent, make_socket
 log = logging.getLogger("zserve.broker")
 
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: combining zmq's Flag enums costs more than the send
-_DRAIN_LIMIT = 512  # messages read from one socket per loop turn, so no socket starves the others
+# What one socket may take of a loop turn: this many messages, or this much handling time (a Submits of 1024
+# items refused takes ~15 ms), whichever comes first. The rest waits for the next turn, after the other sockets, the
+# liveness check and the sends: a burst of 100k requests is admitted over many short turns, never in one long one.
+_DRAIN_LIMIT = 512
+_DRAIN_BUDGET_S = 0.02
+_SLOW_TURN_LOG_S = 5.0  # at most one "slow loop turn" line per this many seconds
 
 
 class Broker:
@@ -107,13 +112,19 @@ class Broker:
         if msg is not None:
             self.core.on_out(msg, received(frames[1:], "a worker (out socket)"), now)
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame], float], None]) -> None:
-        for _ in range(_DRAIN_LIMIT):
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame], float], None]) -> int:
+        """Handle what ``sock`` holds, within this turn's share; the number of messages handled, or -1 when the
+        socket was found empty (everything sent to it before the call was handled)."""
+        started = time.monotonic()
+        for count in range(_DRAIN_LIMIT):
             try:
                 frames = sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return -1
             handle(frames, time.monotonic())
+            if time.monotonic() - started > _DRAIN_BUDGET_S:
+                return count + 1
+        return _DRAIN_LIMIT
 
     # ---- sending ----
 
@@ -150,6 +161,8 @@ class Broker:
     def run(self) -> None:
         core = self.core
         log.info("broker ready (epoch %x), models: %s", core.epoch, ", ".join(core.timeouts_s))
+        heard_s = time.monotonic()  # when the out socket was last found empty: see BrokerCore.tick
+        slow = LoopLag(core.interval_s)
         while True:
             now = time.monotonic()
             if self.stopping:
@@ -158,16 +171,24 @@ class Broker:
                 break
             timeout_ms = max(0, int(core.next_wakeup_s(now) * 1000.0 + 0.999))  # round up: early only spins
             events = dict(self.poller.poll(timeout_ms))
-            if self.out in events:
-                self._drain(self.out, self.on_out)
+            turn_s = time.monotonic()
+            handled = [0, 0, 0]
             if self.work in events:
-                self._drain(self.work, self.on_work)
+                handled[1] = self._drain(self.work, self.on_work)
             if self.client in events:
-                self._drain(self.client, self.on_client)
-            core.tick(time.monotonic())
+                handled[2] = self._drain(self.client, self.on_client)
+            # The out socket last, right before the liveness check: heartbeats that came while this turn handled
+            # clients are read before anyone is judged lost, and a turn that could not empty it judges by the
+            # last time it did (a slow broker must not take its own lag for its workers' silence).
+            before = time.monotonic()
+            handled[0] = self._drain(self.out, self.on_out)
+            if handled[0] < 0:
+                heard_s = before
+            core.tick(time.monotonic(), heard_s)
             self.send_output()
             for pid, name in core.take_kills():
                 self.kill_hung(pid, name)
+            slow.turn(turn_s, time.monotonic(), handled)
         self.shutdown()
 
     def kill_hung(self, pid: int, name: str) -> None:
@@ -198,6 +219,33 @@ class Broker:
             self.auth.stop()
         self.ctx.term()
         log.info("broker stopped")
+
+
+class LoopLag:
+    """The broker's own lag: a loop turn longer than a heartbeat interval is logged (at most once per
+    ``_SLOW_TURN_LOG_S``, with the slowest turn since the last line), since it delays every answer and every
+    heartbeat the broker sends."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.slowest_s = 0.0
+        self.slow_turns = 0
+        self.logged_s = float("-inf")
+        self.handled: list[int] = []
+
+    def turn(self, started_s: float, ended_s: float, handled: list[int]) -> None:
+        took_s = ended_s - started_s
+        if took_s <= self.interval_s:
+            return
+        self.slow_turns += 1
+        if took_s > self.slowest_s:
+            self.slowest_s, self.handled = took_s, handled
+        if ended_s - self.logged_s >= _SLOW_TURN_LOG_S:
+            out, work, client = (max(0, n) for n in self.handled)
+            log.warning("broker loop turn took %.3fs (%d turns over the %.3fs heartbeat interval; messages out %d, "
+                        "work %d, client %d)", self.slowest_s, self.slow_turns, self.interval_s, out, work,
+                        client)  # fmt: skip
+            self.logged_s, self.slowest_s, self.slow_turns = ended_s, 0.0, 0
 
 
 def main(argv: list[str] | None = None) -> int:

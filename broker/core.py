@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from zserve.batching.routing import MAX_ROUTE_BLOCKS
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
 from zserve.broker import hangs, results
@@ -31,6 +32,7 @@ from zserve.broker.batches import batch_message, prepared_batch_message
 from zserve.broker.health import model_health
 from zserve.broker.outbox import ClientOut, ClientSend, WorkSend
 from zserve.broker.requests import Request, RequestTable
+from zserve.broker.routes import Routes
 from zserve.broker.stats import ModelStats
 from zserve.config import Config
 from zserve.protocol import (
@@ -97,6 +99,10 @@ class BrokerCore:
         self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
         self._hang_timeout = functools.partial(hangs.hang_timeout_s, self)  # (worker, stalled_s) -> s
         self.requests = RequestTable()
+        # generative models routed cache_aware (``routing``): the engine whose prefix cache holds most of the prompt
+        routed = [m.name for m in config.models if m.routes_by_cache(m.name in generative)]
+        self.routes = Routes(routed, self.pool, self.requests)
+        self.scheduler.routes = dict.fromkeys(routed, self.routes.choose)
         self.draining_since: float | None = None
         self.handing_over = False  # stopping to be replaced (a pod's SIGTERM): see start_draining
         self._last_heartbeat_s = float("-inf")
@@ -202,6 +208,8 @@ class BrokerCore:
                 continue
             if item.cost > 1:
                 request.cost = item.cost
+            if item.block_hashes:  # a routed generative model's prompt blocks (the frontend bounds them too)
+                request.block_hashes = item.block_hashes[:MAX_ROUTE_BLOCKS]
             if submit(model, request.item_id, now, request.cost) is Admission.OVERLOADED:
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
@@ -289,6 +297,8 @@ class BrokerCore:
             preprocesses=msg.preprocesses,
         )
         self._fail_batches(orphans, f"worker {msg.worker} restarted")
+        if self.routes.routers:
+            self.routes.on_hello(identity, msg)
         log.info("worker %s ready: %s %s, %d credits", msg.worker, msg.role, ",".join(msg.models), msg.credits)
         self._to_worker(identity, Heartbeat("broker"))  # the welcome
 
@@ -363,6 +373,8 @@ class BrokerCore:
     def on_out(self, msg: Msg, frames: list[Any], now: float) -> None:
         if isinstance(msg, StepOutput):
             self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
+            if msg.stored_blocks or msg.evicted_blocks:
+                self.routes.on_step(msg.worker.encode(), msg)
             results.on_step(self, msg, frames, now)
         elif isinstance(msg, BatchResult):
             self.pool.seen(msg.worker.encode(), now)
@@ -381,20 +393,26 @@ class BrokerCore:
 
     # ---- time ----
 
-    def tick(self, now: float) -> None:
-        """Deadlines, worker liveness, heartbeats to workers, then dispatch of every batch that is ready."""
+    def tick(self, now: float, heard_s: float | None = None) -> None:
+        """Deadlines, worker liveness, heartbeats to workers, then dispatch of every batch that is ready.
+
+        ``heard_s``: when the shell last found the out socket (heartbeats, results) empty, i.e. up to when it has
+        heard everything the workers said (default ``now``). Silence and stalls are measured to then, not to
+        ``now``: a broker that was busy (a burst of requests, a slow machine) finds its workers' heartbeats
+        waiting in its socket, and takes its own lag for their silence no more."""
+        heard = now if heard_s is None else min(heard_s, now)
         for request in self.requests.expired(now):
             self._drop(request)
             waited = "in the queue" if request.batch_id == 0 else "in a worker"
             self._reply(
                 request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}"
             )
-        for worker, batches in self.pool.expire(now):
+        for worker, batches in self.pool.expire(heard):
             log.warning(
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
-        for worker in self.pool.hung(now, self._hang_timeout):
+        for worker in self.pool.hung(heard, self._hang_timeout):
             hangs.hang(self, worker, now)
         for worker in self.pool.left():
             log.info("worker %s left (pid %d)", worker.name, worker.pid)
@@ -444,19 +462,16 @@ class BrokerCore:
 
     def _model_health(self, name: str) -> ModelHealth:
         generative = name in self.generative
-        return model_health(name, self.pool, self.scheduler, self.stats[name], self.busy_s, generative)
+        health = model_health(name, self.pool, self.scheduler, self.stats[name], self.busy_s, generative)
+        health.routing = self.routes.report(name)
+        return health
 
     def health(self, query_id: int) -> HealthReport:
         return HealthReport(
             query_id,
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
-            [
-                model_health(
-                    m.name, self.pool, self.scheduler, self.stats[m.name], self.busy_s, m.name in self.generative
-                )
-                for m in self.config.models
-            ],
+            [self._model_health(m.name) for m in self.config.models],
         )
 
     def start_draining(self, now: float, handover: bool = False) -> None:
