@@ -39,6 +39,13 @@ def _vector(output: np.ndarray, encoding_format: str) -> list[float] | str:
     return base64.b64encode(vector.tobytes()).decode() if encoding_format == "base64" else vector.tolist()
 
 
+def input_count(request: EmbeddingRequest) -> int:
+    """How many inputs ``request`` holds (one text, or one list of token ids, is one), counted before any is
+    copied: a request past ``[limits] max_inputs`` is refused at this cost."""
+    value = request.input
+    return 1 if isinstance(value, str) or isinstance(value[0], int) else len(value)
+
+
 def input_bodies(request: EmbeddingRequest) -> list[dict[str, Any]]:
     """The native route's body for each input of an OpenAI request (texts or token ids), carrying its options."""
     value = request.input
@@ -83,10 +90,9 @@ class EmbeddingsResource:
             if model is None:
                 raise RequestError(404, "model_not_found", f"no embedding model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
-            bodies = input_bodies(request)
-            self.limits.check_inputs(name, len(bodies), "input")
+            self.limits.check_inputs(name, input_count(request), "input")
             items = []
-            for i, body in enumerate(bodies):
+            for i, body in enumerate(input_bodies(request)):
                 try:
                     items.append(decode_item(model, body))
                 except BadRequest as exc:
