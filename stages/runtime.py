@@ -73,6 +73,8 @@ class WorkerLink:
         self.kv_blocks = 0  # a generative engine's KV pool, declared in its Hello
         self.preprocesses = False  # an engine that preprocesses a staged model's batches itself when idle (Hello)
         self.free_kv_blocks = -1  # and what is free now, in every heartbeat (-1: not generative)
+        # a generative engine's prefix cache as its Hello declares it (block hashes), for the broker's router
+        self.cache_snapshot: Callable[[], list[int]] | None = None
         self.work_endpoint = work_endpoint
         self.out_endpoint = out_endpoint
         self.interval_s = heartbeat_interval_ms / 1000.0
@@ -167,7 +169,8 @@ class WorkerLink:
     def _hello(self) -> None:
         self._set_registered(False)
         hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks,
-                      preprocesses=self.preprocesses)  # fmt: skip
+                      preprocesses=self.preprocesses,
+                      block_hashes=self.cache_snapshot() if self.cache_snapshot is not None else [])  # fmt: skip
         self.dealer.send(self.codec.encode(hello))
 
     def _heartbeats(self) -> None:

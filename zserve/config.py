@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -251,6 +251,15 @@ class ModelConfig(_Section, kw_only=True):
     preprocess_workers: Annotated[int, Meta(ge=1)] | None = None
     """Stage processes, for a model that overrides `preprocess`. Unset: the cores the engines leave free, `max(1,
     (cores - sum of engines x threads) // models with a stage)` (`preprocess_workers_for`)."""
+    routing: Literal["auto", "cache_aware", "least_loaded"] = "auto"
+    """Generative models: which engine gets a request. `"cache_aware"`: the one whose prefix cache holds most of its
+    prompt, unless that engine runs far more sequences than the least loaded one (then that one); `"least_loaded"`:
+    the engine running the fewest sequences. `"auto"`: cache_aware when `engines` > 1. See
+    [routing](generation.md#routing-across-engines)."""
+
+    def routes_by_cache(self, generative: bool) -> bool:
+        """Whether this model's requests are routed cache_aware (``routing`` resolved)."""
+        return generative and (self.routing == "cache_aware" or (self.routing == "auto" and self.engines > 1))
 
     def __post_init__(self) -> None:
         if not _MODEL_NAME.match(self.name):

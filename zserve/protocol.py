@@ -46,6 +46,9 @@ class Submit(Msg, tag=1):
     decoded: bool = False  # True: decode_request already ran (frontends); False: the engine runs the hooks
     stream: bool = False  # generative models: send Chunk messages as text is produced, then the Reply
     cost: int = 0  # what the item costs to compute (``Model.cost``), for models batched by cost; 0 = not given
+    # generative models routed cache_aware: the prompt's shareable blocks' hashes (``zserve.batching.prefix_hash``),
+    # at most MAX_ROUTE_BLOCKS; [] = route by load alone
+    block_hashes: list[int] = []
 
 
 class Cancel(Msg, tag=2):
@@ -122,6 +125,17 @@ class HealthQuery(Msg, tag=4):
     query_id: int
 
 
+class EngineRouting(msgspec.Struct, array_like=True, gc=False):
+    """A generative engine's routing counters since the broker started (models routed cache_aware)."""
+
+    engine: str  # its worker name
+    prompt_blocks: int = 0  # prompt blocks of the requests routed to it
+    cached_blocks: int = 0  # of those, held by its prefix cache when routed (hit rate = cached / prompt)
+    match: int = 0  # decisions: routed here for the prefix it holds
+    spill: int = 0  # routed here because the best-matching engine was too loaded
+    least_loaded: int = 0  # routed here by load alone (nothing held anywhere, no blocks given, one engine)
+
+
 class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     name: str
     ready_workers: int  # engines
@@ -155,6 +169,7 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     # computed (size x largest cost); padding efficiency = batched_cost / padded_cost
     batched_cost: int = 0
     padded_cost: int = 0
+    routing: list[EngineRouting] = []  # generative models routed cache_aware: per engine
 
 
 class HealthReport(Msg, tag=5):
@@ -180,6 +195,7 @@ class Hello(Msg, tag=20):
     protocol: int = PROTOCOL_VERSION
     kv_blocks: int = 0  # generative engines: the KV pool's size, in blocks
     preprocesses: bool = False  # an engine that runs its staged model's preprocess itself when idle (Batch.preprocess)
+    block_hashes: list[int] = []  # generative engines: every block hash its prefix cache holds (the router's snapshot)
 
 
 class Batch(Msg, tag=21):
@@ -279,6 +295,9 @@ class StepOutput(Msg, tag=27):
     prompt_tokens: int = 0  # prompt tokens admitted (a recomputed sequence counts again)
     cached_prompt_tokens: int = 0  # of those, found in the prefix cache (not computed)
     logprobs: list[list[TokenLogprob]] = []  # per entry, when any asked: as Chunk.logprobs (streamed only)
+    # block hashes the prefix cache stored and evicted since the engine's last StepOutput (or its Hello's snapshot)
+    stored_blocks: list[int] = []
+    evicted_blocks: list[int] = []
 
 
 Message = (

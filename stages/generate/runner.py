@@ -11,7 +11,8 @@ Three threads, one job each, connected by in-process queues only:
     produced in a step as one message. When it falls behind, it folds several steps into one message.
 
 The broker admits at most ``max_running`` sequences to this engine (its credits) and learns the free KV
-blocks from every StepOutput and heartbeat.
+blocks from every StepOutput and heartbeat, and what the prefix cache stored and evicted (block hashes) from
+every StepOutput, on top of the snapshot in the Hello: its router sends a request where its prompt is cached.
 """
 
 from __future__ import annotations
@@ -64,11 +65,16 @@ class _StepReport:
     preemptions: int
     prompt_tokens: int
     cached_tokens: int
+    stored_blocks: list[int]  # block hashes the prefix cache took in and let go since the last report
+    evicted_blocks: list[int]
 
     @classmethod
     def of(cls, step_ms: float, core: Any) -> _StepReport:
         s = core.stats
-        return cls(step_ms, core.free_blocks, s.batch_tokens, s.preemptions, s.prompt_tokens, s.cached_tokens)
+        stored, evicted = core.blocks.take_events()
+        return cls(
+            step_ms, core.free_blocks, s.batch_tokens, s.preemptions, s.prompt_tokens, s.cached_tokens, stored, evicted
+        )
 
 
 @dataclass(slots=True)
@@ -107,6 +113,8 @@ class GenerationRunner:
         link.credits = self.generator.max_running
         link.kv_blocks = self.core.num_blocks
         link.free_kv_blocks = self.core.free_blocks
+        self.core.blocks.report_events()  # from now on, every step reports what its prefix cache changed
+        link.cache_snapshot = self._cache_snapshot
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # -> output thread
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
@@ -119,6 +127,15 @@ class GenerationRunner:
             t.start()
 
     # ---- the link's thread ----
+
+    def _cache_snapshot(self) -> list[int]:
+        """The hashes the prefix cache holds now, for the Hello (read while the step thread may change them)."""
+        for _ in range(100):
+            try:
+                return list(self.core.blocks.by_hash)
+            except RuntimeError:  # the step thread resized it meanwhile: read again
+                continue
+        return []  # the router learns the rest from the next steps' deltas
 
     def run(self, batch: Batch, frames: list[Any]) -> None:
         """Admit one sequence (the broker sends a generative engine Batches of one). Its answer comes later,
@@ -308,5 +325,17 @@ class GenerationRunner:
             last.prompt_tokens if last else 0,
             last.cached_tokens if last else 0,
             [e.logprobs for e in picked] if any(e.logprobs for e in picked) else [],
+            *_net_blocks(steps),
         )
         return [codec.encode(header), *pack([f for e in picked for f in e.frames])]
+
+
+def _net_blocks(steps: list[_StepReport]) -> tuple[list[int], list[int]]:
+    """(stored, evicted) over several steps: each hash once, in its last state."""
+    if len(steps) == 1:
+        return steps[0].stored_blocks, steps[0].evicted_blocks
+    last: dict[int, bool] = {}
+    for step in steps:
+        last.update(dict.fromkeys(step.evicted_blocks, False))
+        last.update(dict.fromkeys(step.stored_blocks, True))
+    return [h for h, stored in last.items() if stored], [h for h, stored in last.items() if not stored]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class Scheduler:
         # the one item that hangs must not take its batch-mates down with it again.
         self._alone: dict[str, set[int]] = {m: set() for m in policies}
         self._next_batch_id = first_batch_id
+        # models whose sequences an engine router places: (model, item id, the least-loaded engine) -> engine
+        self.routes: dict[str, Callable[[str, int, Worker], Worker]] = {}
 
     def submit(self, model: str, item_id: int, now: float, cost: int = 1) -> Admission:
         queue = self._queues.get(model)
@@ -193,6 +196,7 @@ class Scheduler:
                 worker = engine if direct else self.pool.best(model, role)
                 if worker is None:
                     break
+                route = self.routes.get(model)
                 oldest_s = next(iter(queue.values()))
                 # With a stage, a partial batch leaves only if an engine would otherwise wait for it;
                 # while engines are busy the batch keeps filling (as a busy engine without credit would).
@@ -221,6 +225,8 @@ class Scheduler:
                         ids = []
                         while queue and len(ids) < n and next(iter(queue)) not in alone:
                             ids.append(queue.popitem(last=False)[0])
+                if route is not None and len(ids) == 1:  # a generative sequence, routed by its prompt's blocks
+                    worker = route(model, ids[0], worker)
                 batch_id = self._new_batch_id()
                 self.pool.start(worker, batch_id, model, ids, now)
                 out.append(Dispatch(batch_id, model, worker, ids, preprocess=direct))

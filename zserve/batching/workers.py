@@ -52,6 +52,8 @@ class WorkerPool:
         self.liveness_s = liveness_s  # silence after which a worker is declared lost
         self.workers: dict[bytes, Worker] = {}
         self._batches: dict[int, InFlightBatch] = {}
+        # told of every worker that leaves the pool (lost, restarted, left): the routers drop its cache entries
+        self.on_removed: Callable[[bytes], None] | None = None
 
     def register(
         self,
@@ -79,6 +81,8 @@ class WorkerPool:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
+        if self.on_removed is not None:
+            self.on_removed(worker_id)
         for batch_id in worker.in_flight:
             self._batches.pop(batch_id, None)
         return list(worker.in_flight.values())
@@ -106,6 +110,12 @@ class WorkerPool:
             if chosen is None or _load(worker) < _load(chosen):
                 chosen = worker
         return chosen
+
+    def ranked(self, model: str) -> list[Worker]:
+        """The engines of ``model`` with credit, least loaded first (``best``'s order): a router's candidates."""
+        free = [w for w in self.workers.values() if w.role == ENGINE and model in w.models and w.free_credits > 0]
+        free.sort(key=_load)
+        return free
 
     def batch(self, batch_id: int) -> InFlightBatch | None:
         return self._batches.get(batch_id)
@@ -153,6 +163,8 @@ class WorkerPool:
         done = [w for w in self.workers.values() if w.leaving and not w.in_flight]
         for w in done:
             del self.workers[w.worker_id]
+            if self.on_removed is not None:
+                self.on_removed(w.worker_id)
         return done
 
     def ready_count(self, model: str, role: str = ENGINE) -> int:

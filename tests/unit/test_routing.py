@@ -1,0 +1,173 @@
+"""Cache-aware routing: the pure policy and index (zserve.batching.routing), then the broker core routing
+generative sequences by the Hellos' snapshots and the StepOutputs' deltas, under a fake clock."""
+
+from __future__ import annotations
+
+from zserve.batching.routing import LEAST_LOADED, MATCH, MIN_ENTRIES, SPILL, Candidate, PrefixIndex, PrefixRouter
+from zserve.broker.core import BrokerCore
+from zserve.config import parse_config
+from zserve.protocol import Batch, HealthQuery, Hello, StepOutput, Submit, Submits
+
+A, B, C = b"a", b"b", b"c"
+
+
+def test_matches_count_leading_blocks_only():
+    index = PrefixIndex()
+    index.reset(A, [1, 2, 3])
+    index.reset(B, [1, 3])
+    assert index.matches([1, 2, 3, 4], [A, B, C]) == {A: 3, B: 1, C: 0}
+    assert index.matches([1, 5, 3], [A, B]) == {A: 1, B: 1}  # nothing past the first block not held
+    assert index.matches([], [A]) == {A: 0}
+
+
+def test_deltas_store_and_evict_and_an_unknown_engine_is_ignored():
+    index = PrefixIndex()
+    index.reset(A, [])
+    index.update(A, [1, 2], [])
+    index.update(A, [3], [2])
+    assert index.matches([1, 2, 3], [A]) == {A: 1}
+    index.update(C, [1, 2, 3], [])  # never said Hello: nothing is known of it
+    assert index.matches([1], [C]) == {C: 0} and len(index) == 2
+
+
+def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once():
+    index = PrefixIndex()
+    index.reset(A, [], kv_blocks=10)  # its pool holds at most MIN_ENTRIES here (10 < MIN_ENTRIES)
+    index.update(A, range(MIN_ENTRIES + 50), [])  # more than it can hold: deltas were lost, the oldest go
+    assert len(index) == MIN_ENTRIES
+    assert not index.holds(A, 0) and index.holds(A, MIN_ENTRIES + 49)
+    index.reset(B, [7, 8])
+    index.drop(A)
+    assert len(index) == 2 and index.matches([7, 8], [A, B]) == {A: 0, B: 2}
+    assert set(index._holders) == {7, 8}  # no hash left pointing at the dead engine
+    index.reset(B, [9])  # a restarted engine: its snapshot replaces what was known
+    assert index.matches([7], [B]) == {B: 0} and index.matches([9], [B]) == {B: 1}
+
+
+def test_policy_match_spill_and_least_loaded():
+    router = PrefixRouter(spill_ratio=1.5, spill_slack=2)
+    router.index.reset(A, [1, 2, 3])
+    router.index.reset(B, [1])
+    # candidates come least loaded first
+    d = router.choose([1, 2, 3, 4], [Candidate(B, 1), Candidate(A, 3)])
+    assert (d.engine, d.reason, d.matched) == (A, MATCH, 3)
+    # A runs 6 > 1.5 x 2 + 2: the request goes to the least loaded, which caches the prefix too
+    d = router.choose([1, 2, 3, 4], [Candidate(B, 2), Candidate(A, 6)])
+    assert (d.engine, d.reason, d.matched) == (B, SPILL, 1)
+    d = router.choose([1, 2, 3, 4], [Candidate(B, 2), Candidate(A, 5)])  # 5 is within the bound
+    assert d.engine == A and d.reason == MATCH
+    d = router.choose([9, 9], [Candidate(B, 0), Candidate(A, 0)])  # held nowhere
+    assert (d.engine, d.reason) == (B, LEAST_LOADED)
+    d = router.choose([], [Candidate(A, 4), Candidate(B, 5)])  # no blocks given
+    assert (d.engine, d.reason) == (A, LEAST_LOADED)
+    d = router.choose([1, 2, 3], [Candidate(A, 0)])  # one engine with credit: no choice to make
+    assert (d.engine, d.reason, d.matched) == (A, LEAST_LOADED, 3)
+    # equal matches: the least loaded of them
+    router.index.reset(C, [1, 2, 3])
+    d = router.choose([1, 2, 3], [Candidate(B, 0), Candidate(C, 1), Candidate(A, 2)])
+    assert d.engine == C
+
+
+def test_a_hot_prefix_spreads_over_the_engines_instead_of_piling_on_one():
+    router = PrefixRouter(spill_ratio=1.5, spill_slack=2)
+    router.index.reset(A, [1, 2])
+    router.index.reset(B, [])
+    running = {A: 0, B: 0}
+    for _ in range(40):  # 40 requests for the same prefix, none finishing
+        ranked = sorted((Candidate(e, n) for e, n in running.items()), key=lambda c: c.running)
+        d = router.choose([1, 2], ranked)
+        running[d.engine] += 1
+        if d.reason == SPILL:
+            router.index.update(d.engine, [1, 2], [])  # the engine that took it caches the prefix too
+    assert max(running.values()) <= 1.5 * min(running.values()) + 3
+
+
+# ---- the broker core ----
+
+CONFIG = """
+[broker]
+heartbeat_interval_ms = 100
+heartbeat_liveness = 5
+
+[[models]]
+name = "lm"
+handler = "x:Y"
+engines = 2
+timeout_ms = 5000
+
+[[models]]
+name = "solo"
+handler = "x:Y"
+timeout_ms = 5000
+"""
+
+
+def make() -> BrokerCore:
+    return BrokerCore(parse_config(CONFIG), epoch=1, generative=frozenset({"lm", "solo"}))
+
+
+def hello(core: BrokerCore, worker: bytes, hashes: list[int], model: str = "lm", now: float = 0.0) -> None:
+    core.on_work(worker, Hello(worker.decode(), 1, "engine", [model], 8, kv_blocks=100, block_hashes=hashes), now)
+    core.flush()
+
+
+def submit(core: BrokerCore, req_id: int, hashes: list[int], model: str = "lm", now: float = 0.0) -> bytes:
+    """Submit one sequence and dispatch it: the engine it went to."""
+    core.on_client(b"cl", Submits([Submit(req_id, model, block_hashes=hashes)], [1]), [b"{}"], now)
+    core.tick(now)
+    [send] = [w for w in core.flush()[1] if isinstance(w.header, Batch)]
+    return send.worker_id
+
+
+def deltas(worker: bytes, stored: list[int], evicted: list[int]) -> StepOutput:
+    return StepOutput(worker.decode(), [], [], [], [], [], [], [], stored_blocks=stored, evicted_blocks=evicted)
+
+
+def routing(core: BrokerCore, model: str = "lm") -> dict[str, tuple[int, ...]]:
+    core.on_client(b"h", HealthQuery(1), [], 0.0)
+    [send] = [c for c in core.flush()[0] if c.identity == b"h"]
+    [health] = [m for m in send.header.models if m.name == model]
+    return {r.engine: (r.prompt_blocks, r.cached_blocks, r.match, r.spill, r.least_loaded) for r in health.routing}
+
+
+def test_the_broker_routes_by_the_hellos_snapshots_and_the_step_deltas():
+    core = make()
+    hello(core, A, [])
+    hello(core, B, [11, 12])  # a restarted broker learns B's cache from its Hello
+    assert submit(core, 1, [11, 12, 13]) == B
+    assert submit(core, 2, [21, 22]) == A  # held nowhere: the least loaded
+    core.on_out(deltas(A, [21, 22], []), [], 0.1)
+    assert submit(core, 3, [21, 22, 23], now=0.1) == A
+    core.on_out(deltas(A, [], [21, 22]), [], 0.2)  # evicted: A holds it no more
+    assert submit(core, 4, [21], now=0.2) == B  # the least loaded again (A runs 2, B 1)
+    assert routing(core) == {"a": (5, 2, 1, 0, 1), "b": (4, 2, 1, 0, 1)}
+
+
+def test_a_lost_engines_entries_go_at_once_and_its_sequences_are_redispatched():
+    core = make()
+    hello(core, A, [])
+    hello(core, B, [11, 12])
+    assert submit(core, 1, [11, 12]) == B
+    core.tick(0.3)  # both silent since 0.0 but within liveness (0.5 s)
+    core.on_out(deltas(A, [], []), [], 0.4)  # A alive; B will be lost
+    core.tick(0.6)
+    _, work = core.flush()
+    [again] = [w for w in work if isinstance(w.header, Batch)]
+    assert again.worker_id == A  # the sequence went again, to the engine left
+    index = core.routes.routers["lm"].index
+    assert index.matches([11, 12], [B]) == {B: 0} and len(index) == 0
+
+
+def test_a_model_with_one_engine_is_not_routed():
+    core = make()
+    assert set(core.routes.routers) == {"lm"}  # "solo" has engines = 1: least_loaded, no index, no counters
+    hello(core, A, [1, 2], model="solo")
+    assert submit(core, 1, [1, 2], model="solo") == A
+    assert routing(core, "solo") == {}
+
+
+def test_routing_option_overrides_the_default():
+    config = parse_config(CONFIG.replace('engines = 2\n', 'engines = 2\nrouting = "least_loaded"\n')
+                          .replace('name = "solo"\n', 'name = "solo"\nrouting = "cache_aware"\n'))  # fmt: skip
+    core = BrokerCore(config, epoch=1, generative=frozenset({"lm", "solo"}))
+    assert set(core.routes.routers) == {"solo"}

@@ -1,0 +1,164 @@
+"""Cache-aware routing of generative requests: which engine gets a sequence, by how much of its prompt each
+engine's prefix cache already holds, weighed against load. Pure: no sockets, no clock.
+
+The index is exact: engines report the block hashes (``zserve.batching.prefix_hash``) their prefix cache
+stores and evicts, as deltas on their step messages and as a full snapshot in their Hello (so a restarted
+broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``max(kv_blocks, MIN_ENTRIES)``
+entries here (its KV pool cannot cache more; past it, after lost deltas, its oldest entries go), and a lost
+engine's entries go at once (``drop``).
+
+The policy, per request with prompt blocks ``h_1..h_n`` (SGLang's router and vLLM production-stack's load-aware
+router do the same in their own units):
+  * each engine with a free slot scores the leading blocks of the prompt it holds;
+  * the best-matching one (fewest running sequences on a tie) gets it (``match``) unless it is loaded beyond
+    ``spill_ratio`` x the least loaded engine's running sequences + ``spill_slack``: then the least loaded one
+    gets it (``spill``), and caches the hot prefix too, so a hot prefix spreads instead of piling on one engine;
+  * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
+The cost is one dict lookup per block while any engine still matches, and no work at all for one engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+MATCH, SPILL, LEAST_LOADED = "match", "spill", "least_loaded"
+REASONS = (MATCH, SPILL, LEAST_LOADED)
+MIN_ENTRIES = 1024  # an engine's entries kept at least (its Hello may not say its pool's size)
+# Prompt blocks a frontend sends per request: routing beyond the first 4,096 tokens (at 16 a block) changes few
+# decisions, and the broker's work per request stays bounded whatever the prompt's length.
+MAX_ROUTE_BLOCKS = 256
+
+
+class PrefixIndex:
+    """Which engine's prefix cache holds which block hash. Engines are keyed by their worker id."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[bytes]] = {}  # hash -> engines holding it
+        self._held: dict[bytes, OrderedDict[int, None]] = {}  # engine -> its hashes, oldest first
+        self._limits: dict[bytes, int] = {}
+
+    def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
+        """A (re)registered engine: its snapshot replaces whatever was known of it."""
+        self.drop(engine)
+        self._held[engine] = OrderedDict()
+        self._limits[engine] = max(kv_blocks, MIN_ENTRIES)
+        self.update(engine, hashes, ())
+
+    def update(self, engine: bytes, stored: Iterable[int], evicted: Iterable[int]) -> None:
+        """Apply an engine's deltas (an unknown engine's are ignored: it must say Hello first)."""
+        held = self._held.get(engine)
+        if held is None:
+            return
+        holders = self._holders
+        for h in evicted:
+            if h in held:
+                del held[h]
+                self._release(h, engine)
+        limit = self._limits[engine]
+        for h in stored:
+            if h in held:
+                held.move_to_end(h)
+                continue
+            held[h] = None
+            holders.setdefault(h, set()).add(engine)
+            if len(held) > limit:  # more than its pool holds: deltas were lost; forget its oldest
+                self._release(held.popitem(last=False)[0], engine)
+
+    def _release(self, h: int, engine: bytes) -> None:
+        engines = self._holders.get(h)
+        if engines is not None:
+            engines.discard(engine)
+            if not engines:
+                del self._holders[h]
+
+    def drop(self, engine: bytes) -> None:
+        """The engine is gone (lost, restarted, left): its entries go now."""
+        held = self._held.pop(engine, None)
+        self._limits.pop(engine, None)
+        for h in held or ():
+            self._release(h, engine)
+
+    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
+        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds."""
+        alive = set(engines)
+        matched = dict.fromkeys(alive, 0)
+        holders = self._holders
+        for i, h in enumerate(hashes):
+            have = holders.get(h)
+            if not have:
+                break
+            alive &= have
+            if not alive:
+                break
+            for engine in alive:
+                matched[engine] = i + 1
+        return matched
+
+    def __len__(self) -> int:
+        """Entries (engine, hash) held: the memory bound is the engines' KV blocks (or MIN_ENTRIES each)."""
+        return sum(len(held) for held in self._held.values())
+
+    def holds(self, engine: bytes, h: int) -> bool:
+        return h in self._held.get(engine, ())
+
+
+@dataclass(slots=True)
+class Candidate:
+    """An engine that can take the request now: its worker id and its load (running sequences)."""
+
+    engine: bytes
+    running: int
+
+
+@dataclass(slots=True)
+class Decision:
+    engine: bytes
+    reason: str
+    matched: int  # leading prompt blocks the chosen engine holds
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Since the broker started, per engine name: prompt blocks routed, found in this engine's cache, and the
+    decisions that chose it by reason."""
+
+    requested: int = 0
+    found: int = 0
+    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+
+
+class PrefixRouter:
+    """One generative model's router: the index of its engines' caches, the policy, and its counters."""
+
+    def __init__(self, spill_ratio: float = 1.5, spill_slack: int = 2) -> None:
+        self.index = PrefixIndex()
+        self.spill_ratio = spill_ratio
+        self.spill_slack = spill_slack
+        self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
+
+    def choose(self, hashes: Sequence[int], candidates: Sequence[Candidate]) -> Decision:
+        """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, in the
+        order least loaded first, as ``WorkerPool`` ranks them)."""
+        least = candidates[0]
+        if len(candidates) == 1 or not hashes:
+            return Decision(least.engine, LEAST_LOADED, self.index.matches(hashes, [least.engine])[least.engine])
+        matched = self.index.matches(hashes, (c.engine for c in candidates))
+        best = least
+        for c in candidates:  # the most blocks; among those, the first (least loaded) in the given order
+            if matched[c.engine] > matched[best.engine]:
+                best = c
+        if matched[best.engine] == 0:
+            return Decision(least.engine, LEAST_LOADED, 0)
+        if best.running > self.spill_ratio * least.running + self.spill_slack:
+            return Decision(least.engine, SPILL, matched[least.engine])
+        return Decision(best.engine, MATCH, matched[best.engine])
+
+    def count(self, engine_name: str, decision: Decision, requested: int) -> None:
+        counters = self.counters.get(engine_name)
+        if counters is None:
+            counters = self.counters[engine_name] = EngineCounters()
+        counters.requested += requested
+        counters.found += decision.matched
+        counters.decisions[decision.reason] += 1
