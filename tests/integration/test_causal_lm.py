@@ -88,7 +88,7 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
     assert pipe.model.decode_request("plain text") == {"prompt": "plain text"}
     with pytest.raises(ValueError, match="needs the `path` option"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM")
-    with pytest.raises(ValueError, match="cpu_linear 'mkl' must be native, onednn or torch"):
+    with pytest.raises(ValueError, match="cpu_linear 'mkl' must be auto, native, onednn or torch"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_linear="mkl")
     with pytest.raises(ValueError, match="cpu_attention 'flash' must be native or torch"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM", path="x", cpu_attention="flash")

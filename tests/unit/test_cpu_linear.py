@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.generator import c_build, cpu_linear
+from zserve.generator import c_build, cpu_linear, kernel_choice, native_linear
 
 
 # rows: 1-8 take one tile of rows, 17 three of 6/6/5, 300 many; out: 208 = 13 panels of 16 (some in tiles of
@@ -91,3 +91,60 @@ def test_a_model_in_a_dtype_this_cpu_cannot_pack_keeps_nn_linear():
         except RuntimeError:
             reorders = False
         assert cpu_linear.available(model) == reorders, dtype
+
+
+# every schedule of the kernel on every ISA this CPU runs (AVX2 through -march=haswell on an AVX-512 machine;
+# portable through plain x86-64 / the host's own flags elsewhere)
+_VARIANTS = [(isa, v) for isa in c_build.runnable() for v in native_linear.variants(isa)]
+
+
+@pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: the products run on oneDNN")
+@pytest.mark.parametrize(("isa", "variant"), _VARIANTS, ids=[f"{isa}-{v.name}" for isa, v in _VARIANTS])
+def test_every_variant_on_every_isa_computes_what_nn_linear_does(isa, variant):
+    """Rows 1-300 (one block, blocks of even size, many blocks, every block size up to the variant's cap);
+    bias and none; a strided input; outputs in whole groups of panels and with a partial last group."""
+    width = c_build.ISAS[isa].width
+    saved = torch.get_num_threads()
+    try:
+        for out in (width * 13, width * 2):
+            for bias in (False, True):
+                torch.manual_seed(out + bias)
+                linear = nn.Linear(40, out, bias=bias)
+                packed = native_linear.pack(linear.weight, variant)
+                b = None if linear.bias is None else linear.bias.detach()
+                for rows in (*range(1, variant.cap + 2), 17, 64, 300):
+                    x = torch.randn(rows, 80)[:, ::2]  # not contiguous
+                    for threads in (1, 2):
+                        torch.set_num_threads(threads)
+                        with torch.inference_mode():
+                            got = native_linear.linear(x, packed, b, variant)
+                            torch.testing.assert_close(got, linear(x), rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: the products run on oneDNN")
+def test_a_route_runs_each_row_bucket_on_its_candidate_and_keeps_only_the_forms_it_needs():
+    isa = c_build.isa().name
+    variant = native_linear.variants(isa)[-1]
+    route = kernel_choice.Route((1, 8, 64), (kernel_choice.native(isa, variant.name), kernel_choice.TORCH,
+                                             kernel_choice.ONEDNN))  # fmt: skip
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 96, bias=True)
+    packed = cpu_linear.PackedLinear(linear, route=route)
+    assert set(packed.forms) == {f"native:{isa}", "torch", "onednn"}
+    assert packed.native
+    for rows, kind in (
+        (1, route.kinds[0]),
+        (2, route.kinds[0]),
+        (3, "torch"),
+        (22, "torch"),
+        (23, "onednn"),
+        (500, "onednn"),
+    ):  # the limits are the geometric means: sqrt(8) ~ 2.8, sqrt(512) ~ 22.6
+        assert route.kind(rows) == kind, rows
+        x = torch.randn(rows, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+    onednn_only = cpu_linear.PackedLinear(linear, route=kernel_choice.Route((1,), (kernel_choice.ONEDNN,)))
+    assert set(onednn_only.forms) == {"onednn"} and not onednn_only.native

@@ -1,8 +1,13 @@
 """Our small C kernels (``native.py``'s decode attention, ``native_linear.py``'s products): plain C with no
-torch headers, compiled on first use with the system's C compiler (``$CC`` or ``cc``) for this CPU
-(``-march=native``), cached under the zserve cache folder by the hash of the source, the flags and the CPU,
-and called through ctypes, which releases the GIL for the call. Without a compiler, or when the build
-fails, ``build`` warns once and returns None, and the caller runs its torch path instead.
+torch headers, compiled on first use with the system's C compiler (``$CC`` or ``cc``) for an instruction set
+(``Isa``: AVX-512, AVX2 or portable; this CPU's best with ``-march=native`` unless ``$ZSERVE_CPU_ISA`` names
+a lower one), cached under the zserve cache folder by the hash of the source, the flags and the CPU, and
+called through ctypes, which releases the GIL for the call. Without a compiler, or when the build fails,
+``build`` warns once and returns None, and the caller runs its torch path instead.
+
+``ZSERVE_CPU_ISA=avx2`` on an AVX-512 machine builds every kernel as an AVX2-only CPU would (``-march=haswell``):
+with ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2`` (``CAPPED``)
+the whole engine then runs as it would there, which is how the AVX2 figures are made on one machine.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zserve.gguf_cache import zserve_cache
@@ -23,8 +29,78 @@ log = logging.getLogger("zserve.engine")
 
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction set the kernels are built for: its compiler flags, the floats in one vector register
+    and how many such registers there are (what a kernel's tiles must fit in, or spill)."""
+
+    name: str
+    march: tuple[str, ...]
+    width: int
+    registers: int
+
+    @property
+    def flags(self) -> list[str]:
+        return ["-O3", *self.march, "-shared", "-fPIC"]
+
+
+# AVX-512: 32 zmm of 16 floats; AVX2/FMA: 16 ymm of 8 (-march=haswell, the first CPUs with both); portable:
+# 4-float vectors in 16 registers (SSE2's xmm, half of NEON's 32), for anything else, aarch64 included
+ISAS = {
+    "avx512": Isa("avx512", ("-march=x86-64-v4",), 16, 32),
+    "avx2": Isa("avx2", ("-march=haswell",), 8, 16),
+    "portable": Isa("portable", (), 4, 16),
+}
+# what also caps oneDNN, MKL and ATen to an ISA, so a process measures as an AVX2-only CPU would
+CAPPED = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {},
+    "portable": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"},
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runnable() -> list[str]:
+    """The instruction sets this CPU runs, best first."""
+    flags, x86 = _cpu_flags(), platform.machine() in ("x86_64", "AMD64")
+    names = []
+    if x86 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+        names.append("avx512")
+    if x86 and {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        names.append("avx2")
+    return [*names, "portable"]
+
+
+def isa() -> Isa:
+    """The instruction set the kernels are built for here: this CPU's best (tuned for it, ``-march=native``),
+    or ``$ZSERVE_CPU_ISA`` where that names one this CPU runs (a lower one, to measure as on a smaller CPU)."""
+    best = runnable()[0]
+    name = os.environ.get("ZSERVE_CPU_ISA", "") or best
+    if name not in ISAS or name not in runnable():
+        log.warning("ZSERVE_CPU_ISA=%s is not one this CPU runs (%s): building for %s", name, runnable(), best)
+        name = best
+    return for_name(name)
+
+
+def for_name(name: str) -> Isa:
+    """``ISAS[name]``, built for this CPU with ``-march=native`` where it is this CPU's best."""
+    chosen = ISAS[name]
+    return replace(chosen, march=("-march=native",)) if name == runnable()[0] else chosen
+
+
 # What every kernel's source starts with: 16 floats as one vector type, in whatever registers the target has
-# (one AVX-512 register, two AVX2 ones, four NEON ones), through GCC/clang vector extensions; and exp.
+# (one AVX-512 register, two AVX2 ones, four NEON ones), through GCC/clang vector extensions; and exp. A kernel
+# whose live vectors must fit the register file uses ``vectors(isa.width)``'s ``vf`` instead.
 VECTORS = r"""
 #include <math.h>
 #include <stdint.h>
@@ -60,16 +136,15 @@ static inline v16 vexp(v16 x) {
 
 
 def _cpu_id() -> str:
-    """What -march=native compiles for: the machine and its CPU feature flags."""
-    flags = ""
+    """What -march=native compiles for: the machine, its CPU's model name and feature flags."""
+    lines = []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         pass
-    return f"{platform.machine()} {flags}"
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {model} {flags}"
 
 
 def _compile(compiler: str, name: str, source: str, flags: list[str], target: Path) -> None:
@@ -111,3 +186,15 @@ def build(name: str, source: str, flags: list[str], what: str) -> ctypes.CDLL | 
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build %s's kernel (%s): it runs on torch (slower)", what, detail)
         return None
+
+
+def vectors(width: int) -> str:
+    """``vf``: ``width`` floats, one register of the ISA the source is built for (``Isa.width``); ``vfu`` the
+    same at any float's address, ``vload``/``vstore`` through it."""
+    return f"""
+#define VW {width}
+typedef float vf __attribute__((vector_size({4 * width})));
+typedef float vfu __attribute__((vector_size({4 * width}), aligned(4)));
+static inline vf vload(const float *p) {{ return *(const vfu *)p; }}
+static inline void vstore(float *p, vf x) {{ *(vfu *)p = x; }}
+"""

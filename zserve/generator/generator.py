@@ -61,9 +61,10 @@ class GeneratorOptions:
     prefix_caching: bool = True
     max_new_tokens: int = 64  # the default per request
     tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
-    # on a CPU: "native" (fp32 through our C kernel, native_linear.py, else as "onednn"), "onednn" (weights
-    # prepacked once for oneDNN, cpu_linear.py) or "torch"
-    cpu_linear: str = "native"
+    # on a CPU: "auto" (each layer shape and row bucket on what measured fastest at start: our kernel's
+    # schedules, oneDNN or torch, kernel_tune.py), "native" (fp32 through our C kernel, native_linear.py, else
+    # as "onednn"), "onednn" (weights prepacked once for oneDNN, cpu_linear.py) or "torch"
+    cpu_linear: str = "auto"
     cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
     model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
     cuda_graphs: bool = True  # decode-only steps replay CUDA graphs where they apply (cuda_graphs.py)
@@ -120,7 +121,8 @@ class Generator:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
             model = own_model(model, options.model_impl)
             if options.cpu_linear != "torch" and cpu_linear.available(model):
-                cpu_linear.prepack(model, native=options.cpu_linear == "native")
+                rows = (1, 4, options.max_running, options.max_batched_tokens)  # the row buckets it runs
+                cpu_linear.prepack(model, options.cpu_linear, rows=rows, head_rows=options.max_running)
             return cls(model, tokenizer, options)
         from zserve.generator.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
 

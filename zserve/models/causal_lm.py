@@ -15,8 +15,9 @@ the engine knobs: ``kv_cache_bytes`` (the KV pool; 0 = 1 GiB on a CPU, 90% of th
 memory on a GPU), or ``num_blocks`` to size it in blocks, ``block_size``, ``max_batched_tokens`` (token
 budget per step), ``max_running`` (sequences per step; also the broker's limit per engine),
 ``chunked_prefill``, ``prefix_caching``, ``max_new_tokens`` (the default per request), ``cpu_linear``
-("native": on a CPU fp32 products run through a C kernel compiled on first use, the weights packed once;
-"onednn": prepacked for oneDNN; "torch": as loaded),
+("auto": on a CPU each product runs on what measured fastest for its shape and row count when the engine
+started, among a C kernel compiled on first use, oneDNN and torch, the weights packed once; "native": the C
+kernel; "onednn": prepacked for oneDNN; "torch": as loaded),
 ``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch"),
 ``cuda_graphs`` (on CUDA, decode-only steps replay graphs captured at start; see docs/generation.md),
 and ``tool_parser`` (how /v1/chat/completions reads the model's own tool calls under ``tool_choice: auto``:
@@ -52,7 +53,7 @@ class CausalLM(Model):
         prefix_caching: bool = True,
         max_new_tokens: int = 64,
         tensor_parallel: int = 1,
-        cpu_linear: str = "native",
+        cpu_linear: str = "auto",
         cpu_attention: str = "native",
         model_impl: str = "auto",
         tool_parser: str = "auto",
@@ -69,8 +70,8 @@ class CausalLM(Model):
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
         if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be an integer of 1 or more, not {tensor_parallel!r}")
-        if cpu_linear not in ("native", "onednn", "torch"):
-            raise ValueError(f"cpu_linear {cpu_linear!r} must be native, onednn or torch")
+        if cpu_linear not in ("auto", "native", "onednn", "torch"):
+            raise ValueError(f"cpu_linear {cpu_linear!r} must be auto, native, onednn or torch")
         if cpu_attention not in ("native", "torch"):
             raise ValueError(f"cpu_attention {cpu_attention!r} must be native or torch")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,0 +1,68 @@
+"""The CPU linear kernels' choice from timings (``kernel_choice``, no clock of its own): fed made-up timings,
+it picks the fastest per shape and row bucket, never a candidate that failed, and oneDNN unless another
+beat it; the cache key changes with the CPU."""
+
+from __future__ import annotations
+
+from zserve.generator import kernel_choice as kc
+
+A, B = kc.native("avx2", "6x2"), kc.native("avx2", "4x3")
+
+
+def test_it_picks_the_fastest_candidate():
+    assert kc.choose({kc.ONEDNN: 2.0, kc.TORCH: 3.0, A: 1.0, B: 1.5}) == A
+    assert kc.choose({kc.ONEDNN: 2.0, kc.TORCH: 1.2, A: 1.5}) == kc.TORCH
+
+
+def test_it_falls_back_to_onednn_when_a_variant_is_slower_failed_or_ties():
+    assert kc.choose({kc.ONEDNN: 1.0, A: 1.4, B: 9.0}) == kc.ONEDNN  # slower
+    assert kc.choose({kc.ONEDNN: 1.0, A: None, B: None}) == kc.ONEDNN  # did not build / raised / wrong
+    assert kc.choose({kc.ONEDNN: 1.0, A: 1.0}) == kc.ONEDNN  # a tie keeps the reference
+    assert kc.choose({kc.ONEDNN: 1.0, A: float("nan")}) == kc.ONEDNN
+    assert kc.choose({}) == kc.ONEDNN
+
+
+def test_a_plan_routes_each_row_count_to_the_nearest_measured_bucket():
+    timings = {
+        "576->576": {1: {kc.ONEDNN: 2.0, A: 1.0}, 4: {kc.ONEDNN: 2.0, B: 1.0}, 64: {kc.ONEDNN: 1.0, A: 1.1},
+                     512: {kc.ONEDNN: 2.0, kc.TORCH: 1.0, A: None}},
+    }  # fmt: skip
+    route = kc.plan(timings)["576->576"]
+    assert route.rows == (1, 4, 64, 512)
+    assert route.kinds == (A, B, kc.ONEDNN, kc.TORCH)
+    # limits at the geometric means: 2, 16, ~181
+    assert [route.kind(r) for r in (1, 2, 3, 16, 17, 181, 182, 100_000)] == [A, A, B, B, kc.ONEDNN, kc.ONEDNN,
+                                                                           kc.TORCH, kc.TORCH]  # fmt: skip
+    assert route.needs() == {A, B, kc.ONEDNN, kc.TORCH}
+
+
+def test_the_measured_speedup_is_onednns_time_over_the_chosen_and_never_below_one():
+    timings = {
+        "a": {1: {kc.ONEDNN: 3.0, A: 1.0}, 8: {kc.ONEDNN: 1.0, A: 4.0}},
+        "b": {1: {kc.ONEDNN: 1.0, A: 1.0}, 8: {kc.ONEDNN: 1.0, A: None, kc.TORCH: 0.5}},
+    }
+    routes = kc.plan(timings)
+    ratios = kc.speedup(timings, routes)
+    assert ratios == {1: 4.0 / 2.0, 8: 2.0 / 1.5}
+    line = kc.summary(routes, ratios, cached=False)
+    assert "a: 1:avx2/6x2, 8:onednn" in line and "1 rows 2.00x" in line and "8 rows 1.33x" in line
+
+
+def test_the_cache_key_includes_the_cpu_the_source_threads_shapes_and_versions():
+    base = dict(cpu="x86_64 AMD EPYC flags avx2 fma", source="int f;", threads=1, shapes=["576->576"], rows=[1, 8],
+                versions="torch 2")  # fmt: skip
+    key = kc.cache_key(**base)
+    assert kc.cache_key(**base) == key
+    for field, other in (("cpu", "x86_64 AMD EPYC flags avx2 fma avx512f"), ("source", "int g;"), ("threads", 2),
+                         ("shapes", ["576->1536"]), ("rows", [1, 64]), ("versions", "torch 3")):  # fmt: skip
+        assert kc.cache_key(**(base | {field: other})) != key, field
+
+
+def test_a_choice_survives_its_cache_file():
+    routes = kc.plan({"s": {1: {kc.ONEDNN: 2.0, A: 1.0}, 64: {kc.ONEDNN: 1.0}}})
+    again, ratios = kc.from_json(kc.to_json(routes, {1: 2.0, 64: 1.0}))
+    assert again == routes and ratios == {1: 2.0, 64: 1.0}
+
+
+def test_buckets_are_sorted_unique_and_start_at_one():
+    assert kc.buckets(64, 4, 512, 4, 0) == (1, 4, 64, 512)

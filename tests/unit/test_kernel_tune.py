@@ -1,0 +1,78 @@
+"""``cpu_linear = "auto"`` for real: a model's products timed on this CPU, the fastest kept per shape and row
+bucket, the same results as ``nn.Linear``, the choice cached on disk and read back on the next start, and
+oneDNN where our kernel cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from zserve.generator import cpu_linear, kernel_choice, kernel_tune, native_linear
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    native_linear._library.cache_clear()
+    yield tmp_path
+    native_linear._library.cache_clear()
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_auto_times_the_candidates_keeps_the_results_and_caches_the_choice(cache, caplog):
+    model, ids = _model(), torch.randint(0, 256, (1, 12))
+    with torch.inference_mode():
+        want = model(ids).logits
+        with caplog.at_level("INFO", logger="zserve.engine"):
+            assert cpu_linear.prepack(model, "auto", rows=(1, 4, 16, 64), head_rows=16) == 2 * 7 + 1
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU linear products")]
+    assert len(lines) == 1 and "vs oneDNN's" in lines[0] and "cached" not in lines[0]
+    packed = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert all(m.route.rows == (1, 4, 16, 64) for m in packed if m.out_features != 256)
+    assert all(m.route.rows == (1, 4, 16) for m in packed if m.out_features == 256)  # the lm_head: up to head_rows
+    assert list(cache.glob("kernels/linear-choice-*.json"))
+
+    again = _model()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="zserve.engine"):
+        cpu_linear.prepack(again, "auto", rows=(1, 4, 16, 64), head_rows=16)
+    assert [r.getMessage() for r in caplog.records if "(choice cached)" in r.getMessage()]
+    routes = [m.route for m in again.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert routes == [m.route for m in packed]
+
+
+def test_the_measurement_stays_within_its_budget_and_names_every_candidate(cache):
+    layers = [nn.Linear(64, 96) for _ in range(3)]
+    timings = kernel_tune.measure({"64->96+b": layers}, {"64->96+b": (1, 8, 64)}, budget_s=0.5)
+    names = set(kernel_tune.candidates(layers[0].weight))
+    assert set(timings["64->96+b"]) == {1, 8, 64}
+    for cell in timings["64->96+b"].values():
+        assert set(cell) == names
+        assert all(t is not None and t > 0 for t in cell.values())
+
+
+def test_without_our_kernel_auto_chooses_between_onednn_and_torch(cache, monkeypatch):
+    monkeypatch.setenv("CC", shutil.which("false") or "false")  # every build fails
+    layer = nn.Linear(64, 96)
+    assert kernel_tune.candidates(layer.weight) == [kernel_choice.ONEDNN, kernel_choice.TORCH]
+    model = nn.Sequential(layer)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = model(x)
+        cpu_linear.prepack(model, "auto", rows=(1, 8))
+        assert set(model[0].route.kinds) <= {kernel_choice.ONEDNN, kernel_choice.TORCH}
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,116 @@
+"""Which kernel runs each linear product, decided from timings (``kernel_tune.py`` measures them when an
+engine starts): the pure part, with no clock of its own, so that what it decides can be tested with made-up
+timings.
+
+A candidate is ``"onednn"`` (the weight reordered for oneDNN, what vLLM's CPU build runs), ``"torch"``
+(``nn.Linear``: MKL on the plain weight) or one of our kernel's schedules, ``"native:<isa>/<variant>"``. For
+each layer shape and each row bucket (1, a few, ``max_running``, a prefill chunk) the fastest measured one
+runs; oneDNN is the reference every other must beat to be chosen, so the choice is never slower than oneDNN
+as measured, and a candidate that failed (None: did not build, raised, gave wrong results) is never chosen.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+ONEDNN, TORCH = "onednn", "torch"
+NATIVE = "native:"  # + "<isa>/<variant name>"
+
+
+def native(isa: str, variant: str) -> str:
+    return f"{NATIVE}{isa}/{variant}"
+
+
+def buckets(*rows: int) -> tuple[int, ...]:
+    """The row counts to measure at, sorted, each once (1 always among them)."""
+    return tuple(sorted({1, *(int(r) for r in rows if r >= 1)}))
+
+
+def choose(timings: Mapping[str, float | None]) -> str:
+    """The fastest measured candidate; oneDNN where it ties or nothing else was measured (None: failed)."""
+    measured = {name: t for name, t in timings.items() if t is not None and math.isfinite(t)}
+    best = ONEDNN
+    for name, t in sorted(measured.items()):
+        if t < measured.get(best, math.inf):
+            best = name
+    return best
+
+
+@dataclass(frozen=True)
+class Route:
+    """The candidate for each row count of one layer shape: ``kinds[i]`` measured at ``rows[i]`` rows, run
+    for every row count nearer to it than to its neighbours (the limit between two buckets is their geometric
+    mean)."""
+
+    rows: tuple[int, ...]
+    kinds: tuple[str, ...]
+
+    @classmethod
+    def of(cls, chosen: Mapping[int, str]) -> Route:
+        rows = tuple(sorted(chosen))
+        return cls(rows, tuple(chosen[r] for r in rows))
+
+    @property
+    def limits(self) -> tuple[float, ...]:
+        return tuple(math.sqrt(a * b) for a, b in zip(self.rows, self.rows[1:], strict=False))
+
+    def kind(self, rows: int) -> str:
+        return self.kinds[bisect.bisect_left(self.limits, rows)]
+
+    def needs(self) -> set[str]:
+        return set(self.kinds)
+
+
+def plan(timings: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> dict[str, Route]:
+    """For each shape (its key in ``timings``), the route choosing the fastest per bucket."""
+    return {shape: Route.of({rows: choose(t) for rows, t in by_rows.items()}) for shape, by_rows in timings.items()}
+
+
+def speedup(timings: Mapping[str, Mapping[int, Mapping[str, float | None]]], routes: Mapping[str, Route]):
+    """Per bucket: oneDNN's time over the chosen path's, summed over the shapes measured at that bucket."""
+    out = {}
+    for rows in sorted({r for by_rows in timings.values() for r in by_rows}):
+        onednn = chosen = 0.0
+        for shape, by_rows in timings.items():
+            t = by_rows.get(rows)
+            if t is None or t.get(ONEDNN) is None:
+                continue
+            onednn += t[ONEDNN]
+            chosen += t[routes[shape].kind(rows)]
+        if chosen:
+            out[rows] = onednn / chosen
+    return out
+
+
+def summary(routes: Mapping[str, Route], ratios: Mapping[int, float], cached: bool) -> str:
+    """The one log line: what runs each shape at each bucket, and the measured speedup over oneDNN."""
+    shapes = "; ".join(
+        f"{shape}: " + ", ".join(f"{r}:{k.removeprefix(NATIVE)}" for r, k in zip(route.rows, route.kinds, strict=True))
+        for shape, route in routes.items()
+    )
+    speed = ", ".join(f"{rows} rows {x:.2f}x" for rows, x in ratios.items())
+    return f"CPU linear products{' (choice cached)' if cached else ''}: {shapes}; time vs oneDNN's: {speed}"
+
+
+def cache_key(cpu: str, source: str, threads: int, shapes: Iterable[str], rows: Iterable[int], versions: str) -> str:
+    """The file name a choice is cached under: the CPU (its model and flags), our kernels' source, the thread
+    count, the shapes and buckets, and the library versions; any change measures again."""
+    text = json.dumps([cpu, hashlib.sha256(source.encode()).hexdigest(), threads, sorted(shapes), sorted(rows),
+                       versions])  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def to_json(routes: Mapping[str, Route], ratios: Mapping[int, float]) -> str:
+    return json.dumps({"routes": {s: [list(r.rows), list(r.kinds)] for s, r in routes.items()},
+                       "ratios": {str(k): v for k, v in ratios.items()}})  # fmt: skip
+
+
+def from_json(text: str) -> tuple[dict[str, Route], dict[int, float]]:
+    data = json.loads(text)
+    routes = {s: Route(tuple(rows), tuple(kinds)) for s, (rows, kinds) in data["routes"].items()}
+    return routes, {int(k): v for k, v in data["ratios"].items()}

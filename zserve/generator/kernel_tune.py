@@ -1,0 +1,186 @@
+"""Measures, when an engine starts, which kernel runs each of its model's linear products fastest on this CPU
+(``cpu_linear = "auto"``): for every layer shape and row bucket (1, a few, ``max_running``, a prefill chunk)
+it times our kernel's schedules for this CPU's ISA (``native_linear.variants``), oneDNN's prepacked product
+and ``nn.Linear``, best of a few within a budget of ~2 s in all, and ``kernel_choice`` keeps the fastest of
+each, oneDNN unless another beat it. The choice is cached under the zserve cache folder, keyed by the CPU
+(its model name and flags), our kernels' source, the thread count, the shapes and the library versions, so a
+second start on the same machine measures nothing; one log line says what was chosen and the ratio.
+
+Why measure: the same kernel was 0.65x oneDNN's time at 8 rows on an AVX-512 core and 12x at 8 rows on an
+AVX2 one (issue 33), and which product wins at 256 rows differs from core to core; a table of rules would be
+wrong somewhere, a measurement on the machine is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zserve.generator import c_build, cpu_linear, kernel_choice, native_linear
+from zserve.gguf_cache import zserve_cache
+
+log = logging.getLogger("zserve.engine")
+
+BUDGET_S = 1.5  # measuring; packing the samples and the first runs take the rest of ~2 s
+_STREAM_BYTES = 32 << 20  # a few-row product reads its weights from memory in a real step: time over enough
+# distinct weights that they do not stay in a core's L2 (and mostly not in L3)
+_FEW_ROWS = 16
+_MANY_FLOP = 200_000_000  # many rows: time a slice of outputs of about this many flops (~2-4 ms on one core)
+_GROUP = 96  # outputs in whole groups of panels of every variant (16 x 6, 8 x 12)
+_REPEATS = 3
+
+
+def candidates(weight: torch.Tensor) -> list[str]:
+    """What can run a layer with ``weight``: oneDNN, torch, and our kernel's schedules where it applies."""
+    isa = c_build.isa().name
+    out = [kernel_choice.ONEDNN, kernel_choice.TORCH]
+    if native_linear.applies(weight, native_linear.default(isa)):
+        out += [kernel_choice.native(isa, v.name) for v in native_linear.variants(isa)]
+    return out
+
+
+def _shape(linear: nn.Linear) -> str:
+    return f"{linear.in_features}->{linear.out_features}{'+b' if linear.bias is not None else ''}"
+
+
+def prepack(model: nn.Module, rows: tuple[int, ...], head_rows: int = 0, budget_s: float = BUDGET_S) -> int:
+    """``cpu_linear.prepack(model, "auto")``: every fp32 ``nn.Linear`` packed for what measured fastest for
+    its shape at each of ``rows`` (the output layer: those up to ``head_rows``, the most it computes logits
+    for, when given); the number replaced."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    places = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
+              if type(child) is nn.Linear]  # fmt: skip
+    groups: dict[str, list[nn.Linear]] = defaultdict(list)
+    buckets: dict[str, tuple[int, ...]] = {}
+    for _, _, child in places:
+        shape = _shape(child)
+        groups[shape].append(child)
+        cap = head_rows if child is head and head_rows else max(rows, default=1)
+        buckets[shape] = kernel_choice.buckets(*(r for r in rows if r <= cap))
+    routes = {}
+    if any(c.weight.dtype == torch.float32 and c.weight.device.type == "cpu" for _, _, c in places):
+        routes = _routes(groups, buckets, budget_s)
+    for parent, name, child in places:
+        route = routes.get(_shape(child))
+        setattr(parent, name, cpu_linear.PackedLinear(child, route=route) if route else cpu_linear.PackedLinear(child))
+    return len(places)
+
+
+def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ...]], budget_s: float):
+    isa = c_build.isa()
+    key = kernel_choice.cache_key(
+        c_build._cpu_id(), native_linear.source(isa.name), torch.get_num_threads(),
+        [f"{s}@{buckets[s]}" for s in groups], [], f"{torch.__version__} {isa} {c_build.has_compiler()}",
+    )  # fmt: skip
+    path = zserve_cache() / "kernels" / f"linear-choice-{key}.json"
+    try:
+        routes, ratios = kernel_choice.from_json(path.read_text())
+        log.info(kernel_choice.summary(routes, ratios, cached=True))
+        return routes
+    except (OSError, ValueError, KeyError):
+        pass
+    started = time.perf_counter()
+    timings = measure(groups, buckets, budget_s)
+    routes = kernel_choice.plan(timings)
+    ratios = kernel_choice.speedup(timings, routes)
+    log.info(
+        kernel_choice.summary(routes, ratios, cached=False) + f" (measured in {time.perf_counter() - started:.1f} s)"
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(routes)}.tmp")
+        tmp.write_text(kernel_choice.to_json(routes, ratios))
+        tmp.replace(path)  # atomic: engines starting together each write, the last one wins
+    except OSError as e:
+        log.warning("could not cache the CPU linear kernels' choice in %s: %s", path, e)
+    return routes
+
+
+def measure(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ...]], budget_s: float = BUDGET_S):
+    """{shape: {rows: {candidate: seconds per product, or None where it failed}}}. A few rows are timed on a
+    pass over enough of the shape's own layers (or columns of one) that their weights are read from memory,
+    as in a real step; many rows on a slice of one layer's outputs small enough to time in a few ms (the
+    product is compute-bound there, and its time per output the same). Each candidate gets an equal share of
+    what is left of ``budget_s``; one whose first run alone spends its share is timed by that run."""
+    timings: dict[str, dict[int, dict[str, float | None]]] = {}
+    deadline = time.perf_counter() + budget_s
+    names = {shape: candidates(layers[0].weight) for shape, layers in groups.items()}
+    slots = sum(len(buckets[s]) * len(names[s]) for s in groups)
+    with torch.inference_mode():
+        for shape, layers in groups.items():
+            few = _streamed(layers)
+            packed_few = {name: _packed(few, name) for name in names[shape]}
+            timings[shape] = {}
+            for rows in buckets[shape]:
+                sample, packed = few, packed_few
+                if rows > _FEW_ROWS:
+                    sample = [_columns(layers[0], _MANY_FLOP // (2 * rows * layers[0].in_features))]
+                    packed = {name: _packed(sample, name) for name in names[shape]}
+                x = torch.randn(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
+                want = sample[0](x)
+                timings[shape][rows] = {}
+                for name in names[shape]:
+                    share = max(0.0, deadline - time.perf_counter()) / slots
+                    slots -= 1
+                    timings[shape][rows][name] = _time(packed[name], x, want, share) if packed[name] else None
+    return timings
+
+
+def _streamed(layers: list[nn.Linear]) -> list[nn.Linear]:
+    """About ``_STREAM_BYTES`` of the layers' weights: enough whole layers, or the leading outputs of one."""
+    bytes_per = layers[0].weight.numel() * layers[0].weight.element_size()
+    if bytes_per > _STREAM_BYTES:
+        return [_columns(layers[0], _STREAM_BYTES // (layers[0].in_features * layers[0].weight.element_size()))]
+    return layers[: max(1, min(len(layers), _STREAM_BYTES // bytes_per))]
+
+
+def _columns(linear: nn.Linear, outputs: int) -> nn.Linear:
+    """``linear`` cut to its first ``outputs`` (rounded down to whole groups of panels, at least one)."""
+    outputs = min(linear.out_features, max(_GROUP, outputs // _GROUP * _GROUP))
+    if outputs == linear.out_features:
+        return linear
+    cut = nn.Linear(linear.in_features, outputs, bias=linear.bias is not None, dtype=linear.weight.dtype)
+    cut.weight = nn.Parameter(linear.weight.detach()[:outputs], requires_grad=False)
+    if linear.bias is not None:
+        cut.bias = nn.Parameter(linear.bias.detach()[:outputs], requires_grad=False)
+    return cut
+
+
+def _packed(layers: list[nn.Linear], kind: str) -> list[Callable] | None:
+    try:
+        return [cpu_linear.PackedLinear(m, route=kernel_choice.Route((1,), (kind,))) for m in layers]
+    except (RuntimeError, ValueError, StopIteration) as e:
+        log.info("CPU linear candidate %s unavailable: %s", kind, e)
+        return None
+
+
+def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float) -> float | None:
+    """Seconds per product: best of up to ``_REPEATS`` passes within ``share`` after a first run that checks
+    the result (that run's own time where it alone spent the share); None where it raised or was wrong."""
+    kind = layers[0].route.kinds[0]
+    try:
+        t0 = time.perf_counter()
+        got = layers[0](x)
+        first = time.perf_counter() - t0
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            log.warning("CPU linear candidate %s gave wrong results: not chosen", kind)
+            return None
+        best, spent = math.inf, first
+        for _ in range(_REPEATS):
+            if spent >= share:
+                break
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(x)
+            took = time.perf_counter() - t0
+            best, spent = min(best, took / len(layers)), spent + took
+        return min(best, first)
+    except RuntimeError as e:
+        log.warning("CPU linear candidate %s failed: %s", kind, e)
+        return None
