@@ -51,7 +51,8 @@ class Routes:
             return fallback
         decision = router.choose(hashes, [Candidate(w.worker_id, len(w.in_flight)) for w in ranked])
         chosen = self.pool.workers[decision.engine]
-        router.count(chosen.name, decision, len(hashes))
+        # counted by its name without the pid (``name:pid``), so an engine's counters survive its restarts
+        router.count(chosen.name.rsplit(":", 1)[0], decision, len(hashes))
         return chosen
 
     def report(self, model: str) -> list[EngineRouting]:

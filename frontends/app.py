@@ -24,6 +24,7 @@ from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_mod
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
 from zserve.frontends.limits import Limits
 from zserve.frontends.openapi import OpenApiResource, openapi_document
+from zserve.frontends.prompt_blocks import PromptBlocks
 from zserve.frontends.rerank_routes import RerankResource, ScoreResource, rerank_models
 from zserve.frontends.resources import (
     Health,
@@ -69,7 +70,10 @@ def create_frontend(settings: FrontendSettings | None = None) -> Frontend:
     handlers = {m.name: load_handler(m.handler, m.options) for m in settings.models}
     # Models batched by cost: every request of every route carries its item's cost (Model.cost).
     cost_of = {m.name: handlers[m.name].cost for m in settings.models if m.max_batch_cost}
-    client = AsyncClient(settings.client_endpoint, cost_of=cost_of)
+    # Generative models routed cache_aware: every request carries its prompt's block hashes (prompt_blocks.py)
+    routed = [m for m in settings.models if m.route_blocks and handlers[m.name].generative]
+    blocks_of = {m.name: PromptBlocks(m.options).start() for m in routed}
+    client = AsyncClient(settings.client_endpoint, cost_of=cost_of, blocks_of=blocks_of)
     health = Health(client)
 
     keys = api_keys_from(settings.api_keys_file)

@@ -143,6 +143,36 @@ class BrokerCollector:
             else:
                 waiting.add_metric([m.name, "engine"], m.queue_depth)
         yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv, cost, padded_cost, *generative)
+        yield from _routing(self.report)
+
+
+def _routing(report: HealthReport) -> Iterator[CounterMetricFamily]:
+    """Generative models routed cache_aware: per model and engine, since the broker started."""
+    labels = ["model", "engine"]
+    requested = CounterMetricFamily(
+        "zserve_route_prompt_blocks",
+        "Cache-aware routing: prompt blocks of the requests routed to an engine",
+        labels=labels,
+    )
+    found = CounterMetricFamily(
+        "zserve_route_cached_blocks",
+        "Cache-aware routing: of those, held by the engine's prefix cache when routed (hit rate = this / "
+        "zserve_route_prompt_blocks_total)",
+        labels=labels,
+    )
+    decisions = CounterMetricFamily(
+        "zserve_route_decisions",
+        "Cache-aware routing: requests routed to an engine, by reason (match: it held the most of the prompt; spill: "
+        "the best match ran too many sequences; least_loaded: nothing held anywhere)",
+        labels=[*labels, "reason"],
+    )
+    for m in report.models:
+        for r in m.routing:
+            requested.add_metric([m.name, r.engine], r.prompt_blocks)
+            found.add_metric([m.name, r.engine], r.cached_blocks)
+            for reason, count in (("match", r.match), ("spill", r.spill), ("least_loaded", r.least_loaded)):
+                decisions.add_metric([m.name, r.engine, reason], count)
+    yield from (requested, found, decisions)
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -386,6 +386,7 @@ class ServedModel(msgspec.Struct, kw_only=True):
     preprocess: bool = False  # has a preprocess stage: /readyz also waits for one
     max_batch_cost: int = 0  # > 0: the frontends report each item's cost (``Model.cost``) with its Submit
     max_inputs: int = 128  # [limits] max_inputs for this model, resolved
+    route_blocks: bool = False  # routed cache_aware if generative: requests carry their prompt's block hashes
 
 
 class FrontendSettings(msgspec.Struct, kw_only=True):
@@ -415,6 +416,7 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                     preprocess=m.name in staged,
                     max_batch_cost=m.max_batch_cost,
                     max_inputs=config.limits.inputs_for(m),
+                    route_blocks=m.routes_by_cache(True),
                 )
                 for m in config.models
             ],

@@ -39,13 +39,19 @@ def process_lines(state: SupervisorState, now: float) -> list[str]:
     return _table(rows)
 
 
+def version_lines(report: HealthReport) -> list[str]:
+    """The libraries each model's engines run on, as they said in their Hello (a bug report names them); a model
+    whose engines disagree (a rolling upgrade, hosts installed apart) gets one line per version set."""
+    return [f"engines of {m.name}: {line}" for m in report.models for line in m.versions]
+
+
 def _ms(value: float) -> str:
     return f"{value:.1f}"
 
 
 def model_lines(report: HealthReport) -> list[str]:
     rows = [["MODEL", "ENGINES", "BUSY", "STAGES", "QUEUE", "IN_FLIGHT", "CREDITS", "BATCH", "P50_MS", "P90_MS",
-             "P99_MS", "RUNNING", "KV_USED"]]  # fmt: skip
+             "P99_MS", "RUNNING", "KV_USED", "ROUTE_HIT"]]  # fmt: skip
     for m in report.models:
         credits = f"{m.credits - m.free_credits}/{m.credits}" if m.credits else "-"
         stats = m.batches > 0
@@ -55,9 +61,15 @@ def model_lines(report: HealthReport) -> list[str]:
             str(m.in_flight), credits, f"{m.mean_batch_size:.1f}" if stats else "-",
             _ms(m.latency_p50_ms) if stats else "-", _ms(m.latency_p90_ms) if stats else "-",
             _ms(m.latency_p99_ms) if stats else "-",
-            str(m.running_sequences) if m.generative else "-", kv,
+            str(m.running_sequences) if m.generative else "-", kv, _route_hit(m),
         ])  # fmt: skip
     return _table(rows)
+
+
+def _route_hit(m: ModelHealth) -> str:
+    """Cache-aware routing's hit rate: prompt blocks found in the chosen engine's cache / prompt blocks routed."""
+    requested = sum(r.prompt_blocks for r in m.routing)
+    return f"{100.0 * sum(r.cached_blocks for r in m.routing) / requested:.0f}%" if requested else "-"
 
 
 def not_ready(config: Config, report: HealthReport, staged: list[str]) -> list[str]:
@@ -95,7 +107,7 @@ def status(config: Config, config_path: str | os.PathLike[str], out: IO[str], ti
             report = None
             reasons = [str(exc)]
     if report is not None:
-        lines += ["", *model_lines(report)]
+        lines += ["", *model_lines(report), *version_lines(report)]
         reasons = not_ready(config, report, staged)
     lines += ["", "NOT READY: " + "; ".join(reasons) if reasons else "ready"]
     out.write("\n".join(lines) + "\n")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zserve.config import parse_config
-from zserve.protocol import HealthReport, ModelHealth
+from zserve.protocol import EngineRouting, HealthReport, ModelHealth
 from zserve.status import model_lines, not_ready
 
 CONFIG = parse_config("""
@@ -19,14 +19,18 @@ handler = "zserve.models.echo:Echo"
 def test_every_field_is_shown_and_missing_statistics_are_a_dash():
     enc = ModelHealth("enc", 2, 7, 3, busy_workers=1, preprocess_workers=1, credits=4, free_credits=1, batches=10,
                       mean_batch_size=12.5, latency_p50_ms=3.25, latency_p90_ms=8.0, latency_p99_ms=20.0)  # fmt: skip
-    lm = ModelHealth("lm", 1, 0, 5, generative=True, running_sequences=5, free_kv_blocks=30, kv_blocks=100)
+    routing = [EngineRouting("e0", 30, 24), EngineRouting("e1", 10, 2)]
+    lm = ModelHealth("lm", 1, 0, 5, generative=True, running_sequences=5, free_kv_blocks=30, kv_blocks=100,
+                     routing=routing)  # fmt: skip
     header, enc_row, lm_row = (line.split() for line in model_lines(HealthReport(1, 1, False, [enc, lm])))
     assert dict(zip(header, enc_row, strict=True)) == {
         "MODEL": "enc", "ENGINES": "2", "BUSY": "1", "STAGES": "1", "QUEUE": "7", "IN_FLIGHT": "3", "CREDITS": "3/4",
         "BATCH": "12.5", "P50_MS": "3.2", "P90_MS": "8.0", "P99_MS": "20.0", "RUNNING": "-", "KV_USED": "-",
+        "ROUTE_HIT": "-",
     }  # fmt: skip
     lm_cells = dict(zip(header, lm_row, strict=True))
     assert lm_cells["RUNNING"] == "5" and lm_cells["KV_USED"] == "70/100" and lm_cells["BATCH"] == "-"
+    assert lm_cells["ROUTE_HIT"] == "65%"  # cache-aware routing: 26 of 40 prompt blocks found where routed
 
 
 def test_ready_needs_an_engine_per_model_a_stage_where_staged_and_no_drain():

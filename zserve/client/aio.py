@@ -57,14 +57,18 @@ class AsyncClient:
         timeout_ms: int | None = None,
         curve_keys: CurveKeys | None = None,
         cost_of: Mapping[str, Callable[[Any], int]] | None = None,
+        blocks_of: Mapping[str, Callable[[Any], list[int]]] | None = None,
     ) -> None:
         """``curve_keys``: as for ``Client``, over a CURVE tcp endpoint. ``cost_of``: per model batched by
         cost (``max_batch_cost``), the cost of a decoded item (the frontends pass each such model's
-        ``Model.cost``), so every ``decoded=True`` request of any route carries it."""
+        ``Model.cost``), so every ``decoded=True`` request of any route carries it. ``blocks_of``: per
+        generative model routed cache_aware, the hashes of a decoded item's prompt blocks (the broker routes
+        the request to the engine whose cache holds most of them)."""
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self.curve_keys = curve_keys
         self._cost_of = dict(cost_of or {})
+        self._blocks_of = dict(blocks_of or {})
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -136,7 +140,8 @@ class AsyncClient:
         if decoded and not cost and self._cost_of:
             cost_fn = self._cost_of.get(model)
             cost = cost_fn(body) if cost_fn is not None else 0
-        return self._start(model, frames, timeout_ms, decoded, False, waiter, cost)
+        blocks = self._blocks_of[model](body) if decoded and model in self._blocks_of else []
+        return self._start(model, frames, timeout_ms, decoded, False, waiter, cost, blocks)
 
     def cancel(self, req_id: int) -> None:
         """Forget a request started with ``start`` (its waiter is not called) and cancel it in the broker."""
@@ -165,8 +170,9 @@ class AsyncClient:
         messages, or (with ``decoded=True``, as the frontends do) a body ``decode_request`` already made.
         The request leaves when iteration starts."""
         frames = payload.encode(prompt if isinstance(prompt, dict) else prompt_body(prompt, sampling))
+        blocks = self._blocks_of[model](prompt) if decoded and model in self._blocks_of else []
         return AsyncGenerationStream(
-            model, lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream), self._cancel
+            model, lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream, 0, blocks), self._cancel
         )
 
     async def health(self, timeout_s: float = 5.0) -> HealthReport:
@@ -204,11 +210,12 @@ class AsyncClient:
         stream: bool,
         waiter: Any,
         cost: int = 0,
+        block_hashes: list[int] | None = None,
     ) -> int:
         """Register a request and queue its Submit for this turn's message; its req_id."""
         self._socket()  # created lazily, inside the running loop
         timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
-        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream, cost)
+        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream, cost, block_hashes or [])
         self._table.add(submit, frames, waiter, time.monotonic())
         self._items.append((submit, frames))
         self._schedule_flush()

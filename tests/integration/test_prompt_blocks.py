@@ -1,0 +1,38 @@
+"""The frontend's prompt blocks (frontends/prompt_blocks.py) are the engine's: the same token ids as
+``Generator.prepare`` for a text prompt and for chat messages with the chat template, and the block hashes the
+engine's prefix cache stores for them (the tiny Llama of tests/support/tinylm.py, nothing downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+from tinylm import build_tiny_lm
+
+from zserve.batching.prefix_hash import shareable_hashes
+from zserve.frontends.prompt_blocks import PromptBlocks
+from zserve.generation import parse_generate_request
+from zserve.generator.generator import Generator, GeneratorOptions
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
+
+
+def test_the_frontend_tokenises_and_hashes_as_the_engine_does(tiny_path):
+    engine = Generator.load(str(tiny_path), options=GeneratorOptions(num_blocks=64, block_size=4))
+    blocks = PromptBlocks({"path": str(tiny_path), "block_size": 4})
+    assert blocks({"prompt": "x" * 100}) == []  # no tokenizer yet: routed by load
+    blocks.prompt_ids({"prompt": "x"})  # loads it here (the frontend's start() loads it on a thread)
+    text = {"prompt": "Seattle is a city in the state of Washington. " * 3, "max_new_tokens": 2}
+    chat = {"messages": [{"role": "system", "content": "DeepSpeed is a deep learning optimization library."},
+                         {"role": "user", "content": "The quick brown fox"}], "max_new_tokens": 2}  # fmt: skip
+    for body in (text, chat):
+        ids = engine.prepare(parse_generate_request(body)).prompt_ids
+        assert blocks.prompt_ids(body) == ids
+        hashes = blocks(body)
+        assert hashes == shareable_hashes(ids, 4) and len(hashes) >= 3
+        engine.generate([parse_generate_request(body)])  # the engine caches the prompt's blocks
+        assert all(h in engine.core.blocks.by_hash for h in hashes)
+    assert PromptBlocks({"path": str(tiny_path), "prefix_caching": False})(text) == []
+    missing = PromptBlocks({"path": "/nonexistent"})
+    assert missing._load() is None and not missing.enabled and missing(text) == []  # routed by load alone
