@@ -1,7 +1,7 @@
 """Broker burst: does one huge request stall the broker? The real broker shell (``zserve.broker.broker.Broker``)
-in a thread on real ipc sockets, two workers (DEALER + PUSH, as the worker runtime connects) that say Hello and
-beat every ``--interval-ms``, and one client that sends ``--items`` requests at once (in Submits of 1024, as
-``zserve.Client`` splits them) for a model with no engine, so that its queue fills and the rest is refused
+in a process of its own on real ipc sockets, two workers (DEALER + PUSH, as the worker runtime connects) that say
+Hello and beat every ``--interval-ms``, and one client that sends ``--items`` requests at once (in Submits of 1024,
+as ``zserve.Client`` splits them) for a model with no engine, so that its queue fills and the rest is refused
 OVERLOADED: the broker's per-request work, without an engine's. Measured: the longest gap between the broker's
 heartbeats as a worker saw them (the broker's stall, as its workers judge it: past ``interval x liveness`` they
 register again, losing what they held), workers the broker declared lost (its log), and the time until every
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import multiprocessing
+import signal
 import tempfile
 import threading
 import time
@@ -104,15 +106,29 @@ def worker(ctx: zmq.Context, ends: Endpoints, name: str, interval_s: float, stop
     push.close(0)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    config = parse_config(CONFIG.format(interval_ms=args.interval_ms, liveness=args.liveness))
+def run_broker(config_toml: str, ends: Endpoints, broker_file: str | None, results: Any) -> None:
+    """The broker in its own process, as ``zserve up`` runs it; SIGTERM stops it, and what its log said about
+    lost workers and slow turns goes back through ``results``."""
     watch = LostLines()
     logging.getLogger("zserve.broker").addHandler(watch)
+    broker = broker_class(broker_file)(parse_config(config_toml), ends)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
+    broker.run()
+    results.put((watch.lost, watch.slow))
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    config = CONFIG.format(interval_ms=args.interval_ms, liveness=args.liveness)
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
     with tempfile.TemporaryDirectory(prefix="zserve-burst-") as tmp:
         ends = Endpoints(f"ipc://{tmp}/client", f"ipc://{tmp}/work", f"ipc://{tmp}/out")
-        broker = broker_class(args.broker_file)(config, ends)
-        runner = threading.Thread(target=broker.run, daemon=True)
-        runner.start()
+        broker = spawn.Process(target=run_broker, args=(config, ends, args.broker_file, results), daemon=True)
+        broker.start()
+        codec = Codec()
+        # built before the workers start timing: the burst is the broker's work, not this process's
+        items = [(Submit(i + 1, "flooded", 60_000), [b"x"]) for i in range(args.items)]
+        messages = submits_messages(codec, items)
         ctx = zmq.Context()
         stop, gaps, resets = threading.Event(), {}, {}
         interval_s = args.interval_ms / 1000.0
@@ -122,12 +138,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for t in workers:
             t.start()
         time.sleep(1.0)  # registered and beating
-        codec = Codec()
         client = ctx.socket(zmq.DEALER)
         client.connect(ends.client)
-        items = [(Submit(i + 1, "flooded", 60_000), [b"x"]) for i in range(args.items)]
         started = time.monotonic()
-        for message in submits_messages(codec, items):
+        for message in messages:
             client.send_multipart(message, copy=False)
         answered = 0
         while answered < args.items - 1024 and client.poll(30_000):
@@ -139,8 +153,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         for t in workers:
             t.join()
-        broker.stopping = True
-        runner.join(timeout=30)
+        broker.terminate()  # SIGTERM: the broker drains and stops
+        lost, slow = results.get(timeout=60)
+        broker.join(timeout=30)
         client.close(0)
         ctx.term()
     return {
@@ -149,9 +164,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "liveness_s": interval_s * args.liveness,
         "longest_heartbeat_gap_s": round(max(gaps.values()), 3),
         "refusals_answered_s": round(answer_s, 3),
-        "workers_lost": len(watch.lost),
+        "workers_lost": len(lost),
         "worker_resets": sum(resets.values()),
-        "slow_turn_lines": watch.slow[:3],
+        "slow_turn_lines": slow[:3],
     }
 
 
