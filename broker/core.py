@@ -295,6 +295,7 @@ class BrokerCore:
             now=now,
             kv_blocks=msg.kv_blocks,
             preprocesses=msg.preprocesses,
+            versions=msg.versions,
         )
         self._fail_batches(orphans, f"worker {msg.worker} restarted")
         if self.routes.routers:

@@ -50,4 +50,5 @@ def model_health(
         batched_cost=batched_cost,
         padded_cost=padded_cost,
         workers_hung=stats.workers_hung,
+        versions=sorted({w.versions for w in engines if w.versions}),
     )

@@ -40,6 +40,7 @@ from zserve.logs import setup_logging
 from zserve.model import Model, load_handler
 from zserve.protocol import Abort, Batch, BatchResult, Codec, Heartbeat, Hello, Leave, Replace, Reset, Shutdown
 from zserve.transport import die_with_parent, make_socket, use_curve_for_tcp
+from zserve.versions import library_versions
 
 log = logging.getLogger("zserve.worker")
 
@@ -169,7 +170,7 @@ class WorkerLink:
     def _hello(self) -> None:
         self._set_registered(False)
         hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks,
-                      preprocesses=self.preprocesses,
+                      preprocesses=self.preprocesses, versions=library_versions(),
                       block_hashes=self.cache_snapshot() if self.cache_snapshot is not None else [])  # fmt: skip
         self.dealer.send(self.codec.encode(hello))
 
@@ -370,6 +371,7 @@ def run_worker(
     link.install_signal_handlers()
     started = time.monotonic()
     log.info("loading %s %s (%s) on %s, %d thread(s)", role, config.name, config.handler, args.device, config.threads)
+    log.info("%s runs on %s", args.name, library_versions())  # for bug reports; `zserve status` shows it too
     model = load_handler(config.handler, config.options)
     try:
         start(model, args.device)

@@ -170,6 +170,7 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     batched_cost: int = 0
     padded_cost: int = 0
     routing: list[EngineRouting] = []  # generative models routed cache_aware: per engine
+    versions: list[str] = []  # its ready engines' library versions (Hello.versions), each distinct line once
 
 
 class HealthReport(Msg, tag=5):
@@ -196,6 +197,7 @@ class Hello(Msg, tag=20):
     kv_blocks: int = 0  # generative engines: the KV pool's size, in blocks
     preprocesses: bool = False  # an engine that runs its staged model's preprocess itself when idle (Batch.preprocess)
     block_hashes: list[int] = []  # generative engines: every block hash its prefix cache holds (the router's snapshot)
+    versions: str = ""  # the libraries it runs on (zserve.versions.library_versions), for `zserve status`
 
 
 class Batch(Msg, tag=21):

@@ -11,6 +11,8 @@ import sys
 from cluster import subprocess_env
 from deployment import Deployment, free_port, write_config
 
+from zserve.versions import library_versions
+
 CONFIG = """
 [supervisor]
 restart_backoff_s = 0.2
@@ -48,6 +50,7 @@ def test_status_shows_processes_restarts_and_models(tmp_path):
         pids = {p.pid for p in d.descendants()}
         assert {int(rows[name][2]) for name in ("broker", "engine-m-0", "frontend")} <= pids
         assert rows["m"][:5] == ["m", "1", "0", "0", "0"]  # one engine, none busy, no stage, empty queue
+        assert f"engines of m: {library_versions()}" in out  # what the engine said in its Hello
 
         os_pid = int(engine["PID"])
         os.kill(os_pid, signal.SIGKILL)

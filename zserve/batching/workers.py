@@ -35,6 +35,7 @@ class Worker:
     free_kv_blocks: int = 0  # generative engines: at the last report (the whole pool at Hello)
     kv_blocks: int = 0  # generative engines: the pool's size (Hello)
     preprocesses: bool = False  # an engine that takes a staged model's batches unpreprocessed when idle (Hello)
+    versions: str = ""  # the libraries it runs on (Hello), for `zserve status`
     # generative engines' counters since they started, from their last StepOutput
     preemptions: int = 0
     prompt_tokens: int = 0
@@ -67,13 +68,14 @@ class WorkerPool:
         now: float,
         kv_blocks: int = 0,
         preprocesses: bool = False,
+        versions: str = "",
     ) -> list[InFlightBatch]:
         """Add (or re-add) a worker. A worker that says Hello again has lost whatever it held: those
         batches are returned for re-dispatch."""
         orphans = self.remove(worker_id)
         self.workers[worker_id] = Worker(
             worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks,
-            preprocesses=preprocesses,
+            preprocesses=preprocesses, versions=versions,
         )  # fmt: skip
         return orphans
 
