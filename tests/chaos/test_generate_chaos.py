@@ -2,7 +2,9 @@
 several SSE streams (/v1/completions, stream=true) and non-streamed completions in flight, then an engine
 SIGKILLed mid-generation, or an engine whose step stops advancing (its heartbeat alive). Every request
 gets exactly one answer: non-streamed ones 200 (re-dispatched), streams that had text end with an
-``engine_lost`` error event then ``[DONE]``, streams without text complete."""
+``engine_lost`` error event then ``[DONE]``, streams without text complete. With a long prompt they all share,
+cache-aware routing (the default with 2 engines) gathers them on the engine holding the prefix: killing that
+one loses nothing either, and its cache entries leave the broker's index with it."""
 
 from __future__ import annotations
 
@@ -63,8 +65,9 @@ class Generations:
     recorded: ("done", n_text_events) / ("engine_lost", n_text_events) / (status, error type) /
     ("closed"|"hung", ...) for no proper answer."""
 
-    def __init__(self, d: Deployment) -> None:
+    def __init__(self, d: Deployment, prompt: str = "DeepSpeed is") -> None:
         self.d = d
+        self.prompt = prompt
         self.outcomes: list[tuple] = []
         self.texts = threading.Semaphore(0)  # released once per stream at its first text event
         self.lock = threading.Lock()
@@ -76,7 +79,7 @@ class Generations:
         return http.client.HTTPConnection(host, int(port), timeout=90)
 
     def _body(self, stream: bool) -> str:
-        return json.dumps({"model": "tiny", "prompt": "DeepSpeed is", "max_tokens": TOKENS, "temperature": 0,
+        return json.dumps({"model": "tiny", "prompt": self.prompt, "max_tokens": TOKENS, "temperature": 0,
                            "ignore_eos": True, "stream": stream})  # fmt: skip
 
     def _record(self, outcome: tuple) -> None:
@@ -145,7 +148,7 @@ class Generations:
         hung = sum(t.is_alive() for t in self.threads)
         assert not hung, f"{hung} requests never answered; {self.outcomes}"
 
-    def check(self, name: str, since: float, recovery_s: float) -> None:
+    def check(self, name: str, since: float, recovery_s: float, expect_lost: bool = True) -> None:
         assert len(self.outcomes) == STREAMS + PLAIN  # exactly one outcome per request
         plain = [o for o in self.outcomes if o[0] == 200]
         assert plain == [(200, TOKENS)] * PLAIN, self.outcomes  # re-dispatched, complete
@@ -153,7 +156,7 @@ class Generations:
         # Every stream had text before the fault: it either finished on the survivor or ends engine_lost.
         assert all(kind in ("done", "engine_lost") for kind, _ in streams), self.outcomes
         lost = sum(kind == "engine_lost" for kind, _ in streams)
-        assert lost >= 1, self.outcomes  # the victim held at least one stream (least-loaded admission)
+        assert lost >= 1 or not expect_lost, self.outcomes  # the victim held at least one stream
         print(f"\n{name}: {len(self.outcomes)} requests: {PLAIN} non-streamed 200 x {TOKENS} tokens, "
               f"{lost} streams engine_lost, {len(streams) - lost} streams done; answered "
               f"{time.monotonic() - since:.2f} s after the fault; 2 engines again in {recovery_s:.2f} s")  # fmt: skip
@@ -187,3 +190,49 @@ def test_a_generative_step_that_stops_advancing_is_found_killed_and_replaced(dep
     assert not psutil.pid_exists(hung_pid) or psutil.Process(hung_pid).status() == psutil.STATUS_ZOMBIE
     assert found_s < BATCH_TIMEOUT_S + 2.0, found_s
     gens.check(f"generative step hung (found after {found_s:.2f} s, batch_timeout_s {BATCH_TIMEOUT_S})", at, recovery)
+
+
+def route_decisions(d: Deployment) -> dict[tuple[str, str], float]:
+    """(engine, reason) -> routing decisions so far, from /metrics."""
+    _, _, text = d.request("GET", "/metrics")
+    found = re.findall(r"^zserve_route_decisions_total\{([^}]*)\} (\S+)$", text, re.M)
+    out = {}
+    for labels, value in found:
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[(fields["engine"], fields["reason"])] = float(value)
+    return out
+
+
+def test_the_engine_holding_a_hot_prefix_dies_nothing_is_lost_and_its_entries_go(deployment):
+    deployment.wait_for_line("routing: tokenizer loaded")  # requests carry their prompt blocks from here on
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # blocks of 8 tokens: several shared
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    assert deployment.request("POST", "/v1/completions", body)[0] == 200  # one engine computes the prefix
+    before = route_decisions(deployment)
+    gens = Generations(deployment, prompt).start_and_wait_for_text()
+    deadline = time.monotonic() + 10
+    while True:  # the frontend's view of the broker's counters lags a little
+        counts = route_decisions(deployment)
+        matched = {e: n - before.get((e, r), 0) for (e, r), n in counts.items() if r == "match"}
+        if sum(matched.values()) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    holder = max(matched, key=lambda e: matched[e], default="")
+    assert matched.get(holder, 0) >= 1, counts  # the requests went to the engine holding their prefix
+    [victim] = processes(deployment, f"--name {holder} ")
+    at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    gens.join()
+    recovery = until_ready(deployment, "tiny", 2, at)
+    gens.check("the engine holding the hot prefix SIGKILLed", at, recovery, expect_lost=False)
+    # the restarted engine starts with an empty cache and the broker dropped the dead one's entries: the next
+    # request for the prefix is not routed to it as a match
+    after = route_decisions(deployment)
+    assert deployment.request("POST", "/v1/completions", body)[0] == 200
+    deadline = time.monotonic() + 10
+    while sum(route_decisions(deployment).values()) <= sum(after.values()):
+        assert time.monotonic() < deadline, "the decision never showed in /metrics"
+        time.sleep(0.1)
+    final = route_decisions(deployment)
+    [decision] = [k for k, n in final.items() if n > after.get(k, 0)]
+    assert decision != (holder, "match"), (after, final)
