@@ -130,19 +130,26 @@ class Sampler:
         return Sampled([int(t) for t in host], logprobs)
 
     def _bias(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
-        """``logit_bias``: every biased row's additions in one ``index_put_``."""
+        """``logit_bias``: every biased row's additions in one ``index_put_``. Each sequence's (ids, values)
+        reach the device once, the first time it is sampled; a step only concatenates them."""
         rows: list[int] = []
-        cols: list[int] = []
-        values: list[float] = []
+        ids: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for i, seq in enumerate(seqs):
-            for token, bias in seq.params.logit_bias:
-                rows.append(i)
-                cols.append(token)
-                values.append(bias)
-        if rows:
-            device = logits.device
-            index = (_index(rows, device), _index(cols, device))
-            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+            if not seq.params.logit_bias:
+                continue
+            if seq.bias is None or seq.bias[0].device != logits.device:
+                tokens, biases = zip(*seq.params.logit_bias, strict=True)
+                seq.bias = (_index(list(tokens), logits.device),
+                            torch.tensor(biases, dtype=torch.float32, device=logits.device))  # fmt: skip
+            rows.append(i)
+            ids.append(seq.bias[0])
+            values.append(seq.bias[1])
+        if not rows:
+            return
+        counts = torch.tensor([len(t) for t in ids], device=logits.device)
+        index = (_index(rows, logits.device).repeat_interleave(counts), torch.cat(ids))
+        logits.index_put_(index, torch.cat(values).to(logits.dtype), accumulate=True)
 
     def _penalise(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
         """Presence, frequency and repetition penalties for every penalised row at once (vLLM's formulas),

@@ -60,6 +60,9 @@ class Sequence:
     # repetition penalty), kept up to date a step at a time instead of recounted every step
     seen: dict[int, int] = field(default_factory=dict)
     seen_upto: int = -1  # tokens counted into `seen` (-1: not started)
+    # params.logit_bias as (token ids, values) on the model's device, made the first time the row is sampled
+    # (sampler.py) so a step does not rebuild them from Python lists
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
