@@ -1,4 +1,4 @@
-"""``python -m bench.faults``: overload and soak (bench/README.md)."""
+"""``python -m bench.faults``: overload, soak, abuse and broker-burst (bench/README.md)."""
 
 import sys
 
@@ -7,6 +7,8 @@ from bench.common.cli import Scenario, dispatch
 SCENARIOS = {
     "overload": Scenario("bench.faults.overload", "goodput at 10x the offered load of capacity, RSS growth"),
     "soak": Scenario("bench.faults.soak", "30 min at 80% of capacity: RSS, open fds, p50/p99 over time"),
+    "abuse": Scenario("bench.faults.abuse", "one caller's huge request: others' p99 before and after, workers lost"),
+    "broker-burst": Scenario("bench.faults.broker_burst", "100k requests at once: the broker's heartbeat gaps"),
 }
 
 if __name__ == "__main__":

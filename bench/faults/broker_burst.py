@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import multiprocessing
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -170,15 +171,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--interval-ms", type=int, default=250)
     parser.add_argument("--liveness", type=int, default=4)
     parser.add_argument("--broker-file", help="broker.py of another version (e.g. a git worktree) to measure")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(msgspec.json.encode(measure(args)).decode())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Every [limits] check on every route that has it: the frontend's real falcon app (``create_app``) answers 400 naming
+the field, before anything reaches the broker (there is none here: a request that passed the limits would hang
+on its socket and fail the test by timeout, not pass it)."""
+
+from __future__ import annotations
+
+import falcon.testing
+import pytest
+
+from zserve.config import FrontendSettings, LimitsConfig, ServedModel
+from zserve.frontends.app import create_app
+
+LIMITS = LimitsConfig(max_inputs=4, max_stop=2, max_stop_chars=8, max_logit_bias=2, max_tools=1,
+                      max_schema_bytes=2000, max_schema_depth=8, max_schema_properties=3)  # fmt: skip
+WIDE = {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+CHAT = {"model": "lm", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory) -> falcon.testing.TestClient:
+    run = tmp_path_factory.mktemp("no-broker")
+    settings = FrontendSettings(
+        client_endpoint=f"ipc://{run}/client.sock",
+        models=[
+            ServedModel(name="lm", handler="zserve.models.causal_lm:CausalLM", options={"path": str(run)}, max_inputs=4)
+        ],
+        limits=LIMITS,
+    )
+    return falcon.testing.TestClient(create_app(settings))
+
+
+CASES = [
+    ("/v1/completions", {"model": "lm", "prompt": ["a"] * 5}, "prompt"),
+    ("/v1/completions", {"model": "lm", "prompt": ["a", "b"], "n": 3}, "prompt"),
+    ("/v1/completions", {"model": "lm", "prompt": "a", "n": 5}, "n"),
+    ("/v1/completions", {"model": "lm", "prompt": "a", "stop": ["x", "y", "z"]}, "stop"),
+    ("/v1/completions", {"model": "lm", "prompt": "a", "stop": "a stop string too long"}, "stop"),
+    ("/v1/completions", {"model": "lm", "prompt": "a", "logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": "lm", "prompt": "a", "guided_json": WIDE}, "guided_json"),
+    ("/v1/chat/completions", {**CHAT, "n": 5}, "n"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": WIDE}}},
+        "response_format",
+    ),
+    ("/v1/chat/completions", {**CHAT, "stop": ["1", "2", "3"]}, "stop"),
+    ("/mii/lm", {"prompts": ["a"] * 5}, "prompts"),
+    ("/mii/lm", {"prompts": "a", "stop": ["x", "y", "z"]}, "stop"),
+    ("/v1/models/lm/predict", {"prompt": "a", "stop": ["x", "y", "z"]}, "stop"),
+    ("/v1/models/lm/predict", {"prompt": "a", "logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
+    (
+        "/v1/models/lm/predict",
+        {"prompt": "a", "json_schema": '{"type": "object", "properties": {"a": {}, "b": {}, "c": {}, "d": {}}}'},
+        "json_schema",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), CASES, ids=[f"{p} {f}" for p, _, f in CASES])
+def test_past_a_limit_is_a_400_naming_the_field(client, path, body, field):
+    resp = client.simulate_post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json["error"]
+    assert (error.get("param") or error.get("field")) == field, error
+    assert "[limits]" in error["message"], error
