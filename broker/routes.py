@@ -46,10 +46,14 @@ class Routes:
         router = self.routers[model]
         request = self.requests.by_id.get(item_id)
         hashes = request.block_hashes if request is not None else []
-        ranked = self.pool.ranked(model) if hashes else [fallback]
-        if not ranked:
-            return fallback
-        decision = router.choose(hashes, [Candidate(w.worker_id, len(w.in_flight)) for w in ranked])
+        candidates = [Candidate(fallback.worker_id, len(fallback.in_flight))]
+        if hashes:  # the other engines that can score: those holding the first block, with a free slot
+            workers = self.pool.workers
+            for engine in router.index.holders(hashes[0]):
+                w = workers.get(engine)
+                if w is not None and w is not fallback and w.free_credits > 0:
+                    candidates.append(Candidate(engine, len(w.in_flight)))
+        decision = router.choose(hashes, candidates)
         chosen = self.pool.workers[decision.engine]
         # counted by its name without the pid (``name:pid``), so an engine's counters survive its restarts
         router.count(chosen.name.rsplit(":", 1)[0], decision, len(hashes))

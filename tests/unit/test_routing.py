@@ -13,10 +13,14 @@ A, B, C = b"a", b"b", b"c"
 
 def test_matches_count_leading_blocks_only():
     index = PrefixIndex()
-    index.reset(A, [1, 2, 3])
-    index.reset(B, [1, 3])
-    assert index.matches([1, 2, 3, 4], [A, B, C]) == {A: 3, B: 1, C: 0}
-    assert index.matches([1, 5, 3], [A, B]) == {A: 1, B: 1}  # nothing past the first block not held
+    index.reset(A, [1, 2, 3, 4, 5, 6, 7])  # hashes of a chain: an engine holds a prefix of it
+    index.reset(B, [1])
+    index.reset(C, [9])
+    assert index.matches([1, 2, 3, 4, 5, 6, 7, 8], [A, B, C]) == {A: 7, B: 1, C: 0}
+    assert index.matches([1, 2, 3], [A, B]) == {A: 3, B: 1}
+    for n in range(1, 8):  # the binary search finds every length
+        index.reset(A, range(1, n + 1))
+        assert index.matches(list(range(1, 12)), [A]) == {A: n}
     assert index.matches([], [A]) == {A: 0}
 
 
@@ -24,10 +28,12 @@ def test_deltas_store_and_evict_and_an_unknown_engine_is_ignored():
     index = PrefixIndex()
     index.reset(A, [])
     index.update(A, [1, 2], [])
-    index.update(A, [3], [2])
+    index.update(A, [3], [])
+    assert index.matches([1, 2, 3], [A]) == {A: 3}
+    index.update(A, [], [3, 2])  # a chain is evicted from its end
     assert index.matches([1, 2, 3], [A]) == {A: 1}
     index.update(C, [1, 2, 3], [])  # never said Hello: nothing is known of it
-    assert index.matches([1], [C]) == {C: 0} and len(index) == 2
+    assert index.matches([1], [C]) == {C: 0} and len(index) == 1
 
 
 def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once():
@@ -61,7 +67,9 @@ def test_policy_match_spill_and_least_loaded():
     d = router.choose([], [Candidate(A, 4), Candidate(B, 5)])  # no blocks given
     assert (d.engine, d.reason) == (A, LEAST_LOADED)
     d = router.choose([1, 2, 3], [Candidate(A, 0)])  # one engine with credit: no choice to make
-    assert (d.engine, d.reason, d.matched) == (A, LEAST_LOADED, 3)
+    assert (d.engine, d.reason, d.matched) == (A, MATCH, 3)
+    d = router.choose([7], [Candidate(A, 0)])
+    assert (d.engine, d.reason, d.matched) == (A, LEAST_LOADED, 0)
     # equal matches: the least loaded of them
     router.index.reset(C, [1, 2, 3])
     d = router.choose([1, 2, 3], [Candidate(B, 0), Candidate(C, 1), Candidate(A, 2)])

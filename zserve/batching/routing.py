@@ -14,7 +14,8 @@ router do the same in their own units):
     ``spill_ratio`` x the least loaded engine's running sequences + ``spill_slack``: then the least loaded one
     gets it (``spill``), and caches the hot prefix too, so a hot prefix spreads instead of piling on one engine;
   * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
-The cost is one dict lookup per block while any engine still matches, and no work at all for one engine.
+The cost is a binary search over the prompt's blocks per engine holding its first block (see ``matches``), and
+nothing at all for a model with one engine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MIN_ENTRIES = 1024  # an engine's entries kept at least (its Hello may not say i
 # Prompt blocks a frontend sends per request: routing beyond the first 4,096 tokens (at 16 a block) changes few
 # decisions, and the broker's work per request stays bounded whatever the prompt's length.
 MAX_ROUTE_BLOCKS = 256
+_NONE: frozenset[bytes] = frozenset()
 
 
 class PrefixIndex:
@@ -80,20 +82,38 @@ class PrefixIndex:
         for h in held or ():
             self._release(h, engine)
 
+    def holders(self, h: int) -> set[bytes]:
+        """The engines holding block ``h`` (do not change the set)."""
+        return self._holders.get(h, _NONE)
+
     def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
-        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds."""
-        alive = set(engines)
-        matched = dict.fromkeys(alive, 0)
-        holders = self._holders
-        for i, h in enumerate(hashes):
-            have = holders.get(h)
-            if not have:
-                break
-            alive &= have
-            if not alive:
-                break
-            for engine in alive:
-                matched[engine] = i + 1
+        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds.
+
+        An engine's cache holds a chain's blocks as a prefix: a block is shared only with its whole prefix, and
+        the block manager frees a sequence's blocks last first, so its LRU evicts a chain from the end. So the
+        count is found by binary search over the chain: O(log n) lookups per engine holding the first block.
+        (Where that does not hold, after lost deltas made the index drop an engine's oldest entries, a count
+        may be off: a worse route, never a wrong answer.)"""
+        matched = dict.fromkeys(engines, 0)
+        first = self._holders.get(hashes[0]) if hashes else None
+        if not first:
+            return matched
+        n = len(hashes)
+        for engine in matched:
+            if engine not in first:
+                continue
+            held = self._held[engine]
+            if hashes[-1] in held:
+                matched[engine] = n
+                continue
+            lo, hi = 1, n  # hashes[lo - 1] is held, hashes[hi - 1] is not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if hashes[mid - 1] in held:
+                    lo = mid
+                else:
+                    hi = mid
+            matched[engine] = lo
         return matched
 
     def __len__(self) -> int:
@@ -139,15 +159,17 @@ class PrefixRouter:
         self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
 
     def choose(self, hashes: Sequence[int], candidates: Sequence[Candidate]) -> Decision:
-        """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, in the
-        order least loaded first, as ``WorkerPool`` ranks them)."""
+        """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, the least
+        loaded first, as ``WorkerPool.best`` picks it; the others in any order)."""
         least = candidates[0]
-        if len(candidates) == 1 or not hashes:
-            return Decision(least.engine, LEAST_LOADED, self.index.matches(hashes, [least.engine])[least.engine])
+        if len(candidates) == 1 or not hashes:  # no choice to make: say whether it holds the prompt anyway
+            matched = self.index.matches(hashes, [least.engine])[least.engine]
+            return Decision(least.engine, MATCH if matched else LEAST_LOADED, matched)
         matched = self.index.matches(hashes, (c.engine for c in candidates))
         best = least
-        for c in candidates:  # the most blocks; among those, the first (least loaded) in the given order
-            if matched[c.engine] > matched[best.engine]:
+        for c in candidates:  # the most blocks; among those, the fewest running sequences
+            m, b = matched[c.engine], matched[best.engine]
+            if m > b or (m == b and c.running < best.running):
                 best = c
         if matched[best.engine] == 0:
             return Decision(least.engine, LEAST_LOADED, 0)

@@ -113,12 +113,6 @@ class WorkerPool:
                 chosen = worker
         return chosen
 
-    def ranked(self, model: str) -> list[Worker]:
-        """The engines of ``model`` with credit, least loaded first (``best``'s order): a router's candidates."""
-        free = [w for w in self.workers.values() if w.role == ENGINE and model in w.models and w.free_credits > 0]
-        free.sort(key=_load)
-        return free
-
     def batch(self, batch_id: int) -> InFlightBatch | None:
         return self._batches.get(batch_id)
 
