@@ -179,3 +179,13 @@ def test_routing_option_overrides_the_default():
                           .replace('name = "solo"\n', 'name = "solo"\nrouting = "cache_aware"\n'))  # fmt: skip
     core = BrokerCore(config, epoch=1, generative=frozenset({"lm", "solo"}))
     assert set(core.routes.routers) == {"solo"}
+
+
+def test_the_benchmarks_one_engine_hit_rate_counts_each_shared_block_once():
+    from bench.generation.routing import ideal_hit_rate
+    from bench.generation.workload import GenRequest
+
+    a = GenRequest("", list(range(40)), 1)  # 2 shareable blocks of 16 (the third holds the last token)
+    b = GenRequest("", list(range(32)) + [99] * 8, 1)  # shares both with a
+    c = GenRequest("", [7] * 40, 1)  # shares nothing
+    assert ideal_hit_rate([a, b, c], 16) == 32 / 120
