@@ -37,20 +37,26 @@ def test_a_kernel_that_fails_its_check_leaves_the_engine_on_the_torch_path(monke
     wrong = [lambda q, *args: torch.zeros_like(q), lambda *args: (_ for _ in ()).throw(RuntimeError("no PTX"))]
     for kernel, says in zip(wrong, ["differs from the reference", "failed its check"], strict=True):
         triton_attention._checked.cache_clear()
+        triton_attention._verdict.clear()
         monkeypatch.setattr(triton_attention, "paged_attention", kernel)
         with caplog.at_level(logging.WARNING, logger="zserve.generator.triton_attention"):
             assert not triton_attention.usable(torch.device("cpu"))
         assert says in caplog.text
     triton_attention._checked.cache_clear()
+    triton_attention._verdict.clear()
 
 
 def _check_kernel() -> None:
+    """Every launch the engine makes: decode rows split over the keys (``SPLITS``, as a small grid has them, and 3,
+    which leaves the short rows' last ranges empty) and not, prefill rows one by one and in tiles (a chunk of
+    more than one tile), in fp32 and bf16."""
     from zserve.generator import triton_attention
 
     torch.manual_seed(0)
-    bs, kv_heads, heads, d, n_blocks = 4, 2, 4, 24, 40  # GQA, a head_dim that is not a power of two
+    bs, kv_heads, heads, d, n_blocks = 4, 2, 6, 24, 60  # GQA of 3, a head_dim that is not a power of two
     k, v = torch.randn(n_blocks * bs, kv_heads, d), torch.randn(n_blocks * bs, kv_heads, d)
-    lengths, rows = [7, 13, 1, 9, 6], [1, 1, 1, 5, 6]  # three decodes, a later chunk of 5, a whole prompt
+    # three decodes (one of 70 keys: two splits' worth), a later chunk of 5, a whole prompt of 6, a chunk of 21
+    lengths, rows = [7, 70, 1, 9, 6, 25], [1, 1, 1, 5, 6, 21]
     perm, at, tables = torch.randperm(n_blocks), 0, []
     for n in lengths:
         tables.append(perm[at : at + -(-n // bs)].to(torch.int32))
@@ -58,16 +64,19 @@ def _check_kernel() -> None:
     row_seq = [s for s, n in enumerate(rows) for _ in range(n)]
     row_pos = [lengths[s] - rows[s] + i for s, n in enumerate(rows) for i in range(n)]
     q = torch.randn(len(row_seq), heads * 2, d)[:, ::2]  # strided heads, as a view of a qkv product is
-    out = triton_attention.paged_attention(
-        q, k, v, torch.nn.utils.rnn.pad_sequence(tables, batch_first=True), torch.tensor(row_seq, dtype=torch.int32),
-        torch.tensor(row_pos), bs, d**-0.5,
-    )  # fmt: skip
-    for r, (s, p) in enumerate(zip(row_seq, row_pos, strict=True)):
-        slots = (tables[s].long().unsqueeze(1) * bs + torch.arange(bs)).flatten()[: p + 1]
-        keys = k[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, p + 1, d]
-        values = v[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        expected = torch.softmax(q[r].unsqueeze(1) @ keys.transpose(1, 2) * d**-0.5, -1) @ values
-        assert torch.allclose(out[r], expected[:, 0], atol=1e-5), r
+    query_start = [sum(rows[:i]) for i in range(len(rows) + 1)]
+    tiles = triton_attention.prefill_tiles(query_start, 3)
+    assert tiles.tolist() == [[3, 5], [8, 6], [14, 16], [30, 5]]
+    padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+    expected = triton_attention.reference(q, k, v, tables, row_seq, row_pos, bs, d**-0.5)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for splits, decode_rows, tiled in ((None, None, None), (None, 3, tiles), (1, 3, tiles), (3, 3, tiles)):
+            out = triton_attention.paged_attention(
+                q.to(dtype), k.to(dtype), v.to(dtype), padded, torch.tensor(row_seq, dtype=torch.int32),
+                torch.tensor(row_pos), bs, d**-0.5, decode_rows, tiled, splits,
+            )  # fmt: skip
+            err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+            assert err < tolerance, (dtype, splits, decode_rows, err)
     print("kernel ok")
 
 
@@ -137,6 +146,9 @@ def _check_graph_fallbacks() -> None:
 
 if __name__ == "__main__":
     from zserve.generator import triton_attention
+
+    # the interpreter runs every program in Python: the engine's steps split their decodes in 4, not 16
+    triton_attention.SPLITS = 4
 
     assert triton_attention.usable(torch.device("cpu")), "the interpreter mode is not on"
     _check_kernel()

@@ -48,9 +48,11 @@ class StepMeta:
         if kernel:
             counts = torch.tensor(self.query_start[1:]) - torch.tensor(self.query_start[:-1])
             host += [torch.repeat_interleave(torch.arange(n_seqs, dtype=torch.int32), counts),
-                     torch.nn.utils.rnn.pad_sequence(self.tables, batch_first=True)]  # fmt: skip
-            ids, positions, rows, write_slots, row_seq, tables = upload(host)
-            step = TorchStep(self.block_size, write_slots, [], None, [], kernel=(tables, row_seq, positions))
+                     torch.nn.utils.rnn.pad_sequence(self.tables, batch_first=True),
+                     triton_attention.prefill_tiles(self.query_start, d)]  # fmt: skip
+            ids, positions, rows, write_slots, row_seq, tables, tiles = upload(host)
+            kernel = KernelStep(tables, row_seq, positions, d, tiles)
+            step = TorchStep(self.block_size, write_slots, [], None, [], kernel=kernel)
             return step, ids, positions, rows
         padded = d and batched_decode
         if padded:
@@ -129,8 +131,18 @@ class TorchStep:
     prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (row start, end, table, length, mask)
     decode_tables: torch.Tensor | None = None  # [num_decodes, max blocks] int32, on a CPU
     decode_lengths: torch.Tensor | None = None  # [num_decodes] int32
-    # every row through triton_attention: tables [N, max blocks], each row's sequence and position [T]
-    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    kernel: KernelStep | None = None  # every row through triton_attention
+
+
+@dataclass(slots=True)
+class KernelStep:
+    """A step's inputs to ``triton_attention.paged_attention``, on the device."""
+
+    tables: torch.Tensor  # [N, max blocks] int32
+    row_seq: torch.Tensor  # [T] each row's sequence
+    row_pos: torch.Tensor  # [T] each row's position
+    decode_rows: int  # rows [0, decode_rows) are one-token decodes
+    tiles: torch.Tensor | None  # [n, 2] the prefill rows' tiles (first row, rows); None: one row each
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device | str, native_decode: bool) -> torch.dtype:
@@ -188,8 +200,11 @@ class PagedKVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(0, step.write_slots, k)
         vc.index_copy_(0, step.write_slots, v)
-        if step.kernel is not None:
-            return triton_attention.paged_attention(q, kc, vc, *step.kernel, step.block_size, scale)
+        if (kernel := step.kernel) is not None:
+            return triton_attention.paged_attention(
+                q, kc, vc, kernel.tables, kernel.row_seq, kernel.row_pos, step.block_size, scale, kernel.decode_rows,
+                kernel.tiles,
+            )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if step.decode_padded is not None:
             rows, slots, mask = step.decode_padded

@@ -7,8 +7,9 @@ A graph reads and writes fixed memory, so the step's inputs are copied into stat
 positions, the slots the new K/V go to, and the block tables [bucket, max_blocks]; attention is the Triton
 kernel (``triton_attention.py``), whose shapes do not depend on the KV lengths. Rows past the batch in its
 bucket write their K/V to a scratch block that no sequence owns (the cache holds one block more) and attend
-to position 0. The first replay is checked against the eager forward of the same step; on a mismatch the
-engine turns graphs off with a warning and stays eager.
+to position 0. The first replay is checked against the eager forward of the same step, at the model's dtype
+(a tolerance for it, and the same greedy token in every row); on a mismatch the engine turns graphs off with a
+warning and stays eager.
 
 On a CPU (tests, with triton interpreted) the same buffers and buckets run, each "replay" the eager forward
 over them: everything but the capture itself is checked there.
@@ -21,9 +22,12 @@ from typing import Any
 
 import torch
 
-from zserve.generator.attention import StepMeta, TorchStep, Uploader
+from zserve.generator.attention import KernelStep, StepMeta, TorchStep, Uploader
 
 log = logging.getLogger("zserve.generator.cuda_graphs")
+
+# a graphed step's logits against the eager step's, relative to the largest logit, per dtype
+LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -38,6 +42,9 @@ class DecodeGraphs:
         self.model, self.max_batch, self.max_blocks, self.block_size = model, max_batch, max_blocks, block_size
         self.scratch_slot = scratch_slot
         self.verified = False
+        self.passed: bool | None = None  # the first graphed step's check (None: not yet run)
+        self.error = 0.0  # its largest logit difference, relative to the largest logit
+        self.same_argmax: bool | None = None
         self.replays = 0  # steps run as a graph
         device = model.device
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -52,7 +59,7 @@ class DecodeGraphs:
             self._replays[b] = self._capture(b)
 
     def _forward(self, b: int) -> torch.Tensor:
-        kernel = (self.tables[:b], self.row_seq[:b], self.positions[:b])
+        kernel = KernelStep(self.tables[:b], self.row_seq[:b], self.positions[:b], b, None)
         step = TorchStep(self.block_size, self.write_slots[:b], [], None, [], kernel=kernel)
         return self.model(self.ids[:b], self.positions[:b], step, self.rows[:b])
 
@@ -95,9 +102,19 @@ class DecodeGraphs:
         return out[:n]
 
     def verify(self, graphed: torch.Tensor, eager: torch.Tensor) -> bool:
-        """The first graphed step against the same step run eagerly (called once)."""
+        """The first graphed step against the same step run eagerly (called once): logits within the model's
+        dtype's tolerance (``LOGIT_TOLERANCE``, relative to the largest logit) and the same greedy token in
+        every row. A graph over the same kernels computes the same sums, so a difference is a capture that went
+        wrong (a buffer read outside the graph's inputs), not rounding; the tolerance leaves room for kernels
+        whose reduction order depends on the launch (cuBLAS picks by batch)."""
         self.verified = True
-        same = bool(torch.allclose(graphed.float(), eager.float(), rtol=1e-3, atol=1e-3))
-        if not same:
-            log.warning("a CUDA graph's logits differ from the eager step's: decode steps stay eager")
-        return same
+        tolerance = LOGIT_TOLERANCE.get(graphed.dtype, 2e-2)
+        a, b = graphed.float(), eager.float()
+        self.error = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) if b.numel() else 0.0
+        self.same_argmax = bool(torch.equal(a.argmax(-1), b.argmax(-1)))
+        self.passed = self.error <= tolerance and self.same_argmax
+        if not self.passed:
+            log.warning("a CUDA graph's logits differ from the eager step's (%s: max error %.3g of the largest, "
+                        "tolerance %.3g; greedy tokens %s): decode steps stay eager", graphed.dtype, self.error,
+                        tolerance, "equal" if self.same_argmax else "differ")  # fmt: skip
+        return self.passed

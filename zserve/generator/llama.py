@@ -16,7 +16,8 @@ weights. What changes against Hugging Face's modules:
   * attention is the engine's paged backend (``PagedKVCache.attend``) with the step's metadata.
 The leaf functions (norms, rotary, SiLU) are C kernels on a CPU in fp32 (``native_pointwise.py``: one
 pass each instead of 3-8 torch ops), plain torch otherwise (RMSNorm through torch's fused kernel), and
-``torch.compile``-d on CUDA, where each saves kernel launches (not yet run on a GPU).
+``torch.compile``-d on CUDA, where each saves kernel launches (``Compiled``: eager for good, with a warning,
+if compiling fails; not yet run on a GPU).
 
 Greedy output equals Hugging Face ``generate`` token for token (tests/unit/test_own_model.py): every op
 computes what HF's does, in the same order (rotary's halves are HF's ``rotate_half`` written out); the C
@@ -31,6 +32,8 @@ the lm_head stay whole on every rank.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Any
 
 import torch
@@ -39,6 +42,8 @@ from torch import nn
 
 from zserve.generator import native_pointwise
 from zserve.generator.attention import PagedKVCache, TorchStep
+
+log = logging.getLogger("zserve.generator.llama")
 
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # cos/sin depend on the position alone
@@ -102,7 +107,7 @@ def _leaf(fn, device_type: str):
     """``fn`` as the device runs it best: compiled on CUDA (one kernel instead of 4-8), on a CPU our C kernel
     (``native_pointwise.py``) where it applies, else eager."""
     if device_type == "cuda":
-        return torch.compile(fn, dynamic=True)
+        return Compiled(fn)
     if device_type == "cpu":
         halves = fn in (rotary, silu_mul)  # their halves are vectors of 16 too
         return functools.partial(_native_or_torch, getattr(native_pointwise, fn.__name__), fn, 2 if halves else 1)
@@ -111,6 +116,55 @@ def _leaf(fn, device_type: str):
 
 def _native_or_torch(native, fn, parts: int, x: torch.Tensor, *args):
     return native(x, *args) if native_pointwise.applies(x, x.shape[-1] // parts) else fn(x, *args)
+
+
+# Each leaf is compiled once per input rank and dtype (rms_norm sees [T, hidden] and Qwen3's [T, heads, D], fp32
+# and bf16 models share a process in the GPU check; dynamic=True keeps T symbolic, except T = 1): a dozen
+# entries, past dynamo's default limit of 8, after which it would run the function eagerly without a word.
+RECOMPILE_LIMIT = 64
+COMPILE_S: dict[str, float] = {}  # leaf -> seconds of its first call (the compile), for the GPU check to print
+
+
+class Compiled:
+    """``torch.compile(fn)``, guarded: a compile or a compiled call that raises (no C compiler for inductor, a
+    triton too old for the GPU, a dynamo bug) turns this leaf to eager for good, with a warning, instead of
+    failing the step."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.name = fn, fn.__name__
+        self.call = None  # the compiled function, once made; fn itself after a failure
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.call is None:
+            return self._first(*args)
+        try:
+            return self.call(*args)
+        except Exception as exc:
+            if self.failed:
+                raise
+            return self._fall_back(exc, *args)
+
+    def _first(self, *args):
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        started = time.perf_counter()
+        try:
+            self.call = torch.compile(self.fn, dynamic=True)
+            out = self.call(*args)
+        except Exception as exc:
+            return self._fall_back(exc, *args)
+        COMPILE_S[self.name] = time.perf_counter() - started
+        log.info("torch.compile of %s: %.1f s (its first call)", self.name, COMPILE_S[self.name])
+        return out
+
+    def _fall_back(self, exc: Exception, *args):
+        log.warning("torch.compile of %s failed (%r): it runs eagerly", self.name, exc)
+        self.call, self.failed = self.fn, True
+        return self.fn(*args)
 
 
 # ---- the model ----

@@ -95,7 +95,10 @@ class StepCore:
             tensor_parallel.init_cache(num_blocks, block_size, self.batched_decode, native_decode)
         tp = tensor_parallel.size if tensor_parallel else 1
         graphed = cuda_graphs and tensor_parallel is None and isinstance(model, LlamaFamily)
-        graphed = graphed and triton_attention.usable(self.device)
+        # the kernel's check at this model's dtype and shapes (its verdict holds for the steps on this device)
+        kernel = triton_attention.usable(self.device, model.dtype, head_dim(config), block_size,
+                                         config.num_attention_heads // kv_heads(config))  # fmt: skip
+        graphed = graphed and kernel
         # a graphed step's padding rows write their K/V to one more block, which no sequence owns
         cache_blocks = num_blocks + 1 if graphed else num_blocks
         self.cache = paged_cache_for(model, cache_blocks, block_size, tp, native_decode=native_decode)
