@@ -37,9 +37,9 @@ BGE_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 
 
 
 def build_stack(folder: Path, config: dict):
+    # one path that sentence-transformers 6.0 (the GPU image's 6.0.1) and 6.2+ both have
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Normalize, Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertModel, BertTokenizerFast
 

@@ -78,6 +78,8 @@ def _join(rank: int, spec: GroupSpec) -> Any:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.size))
     backend = _backend(spec.device)
+    if backend == "nccl":  # each rank its own GPU: NCCL's communicators and every later allocation follow it
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{spec.store}", rank=rank, world_size=spec.size)
     return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
 
