@@ -15,22 +15,27 @@ scattered over the pool. Prints the time per layer and per step (x layers), best
 cache is reused, so its memory is warmer than in a real step.
 
     .venv/bin/python -m bench.studies.attention --batch 8,32 --threads 2
+    .venv/bin/python -m bench.studies.attention --batch 8,32 --threads 1 --isa avx2,avx512   # each ISA's kernel
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.studies import isa as study_isa
 from zserve.generator.native import decode_kernel
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="8,32")
     p.add_argument("--min-len", type=int, default=16)
@@ -43,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--compile", action="store_true")
-    return p.parse_args()
+    p.add_argument("--out", default="", help="a JSON file for the figures")
+    study_isa.add_argument(p)
+    return p.parse_args(argv)
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -56,7 +63,7 @@ def best_ms(fn: Callable[[], object], repeat: int) -> float:
     return best * 1000
 
 
-def measure(batch: int, args: argparse.Namespace, rng: random.Random) -> None:
+def measure(batch: int, args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(batch)]
     bs = args.block_size
     num_blocks = sum(-(-n // bs) for n in lengths) + 4
@@ -133,18 +140,31 @@ def measure(batch: int, args: argparse.Namespace, rng: random.Random) -> None:
     check = padded_sdpa().squeeze(2)
     assert torch.allclose(ref, check, atol=1e-4), "the formulations disagree"
     print(f"B={batch}, KV lengths {min(lengths)}-{max(lengths)} (sum {sum(lengths)}):")
+    times = {}
     for name, fn in variants.items():
-        ms = best_ms(fn, args.repeat)
+        times[name] = ms = best_ms(fn, args.repeat)
         print(f"  {name:<13} {ms:7.2f} ms per layer, {ms * args.layers:7.1f} ms per step", flush=True)
+    return times
 
 
 def main() -> None:
-    args = parse_args()
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    out = Path(args.out or "/tmp/zserve-attention.json")
+    results = study_isa.delegate("bench.studies.attention", argv, study_isa.parse(args.isa), out)
+    if results is not None:
+        print("\nside by side (ms per layer):")
+        for isa, data in results:
+            for batch, times in data["batches"].items():
+                print(f"  {isa:<9} B={batch:<4} " + "  ".join(f"{k} {v:.2f}" for k, v in times.items()))
+        return
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
+    print(f"{study_isa.cpu()}\n{study_isa.describe()}")
     print(f"torch {torch.__version__}, {args.threads} threads; heads {args.heads}/{args.kv_heads} x {args.head_dim}")
-    for batch in (int(b) for b in args.batch.split(",")):
-        measure(batch, args, rng)
+    batches = {b: measure(b, args, rng) for b in (int(b) for b in args.batch.split(","))}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"cpu": study_isa.cpu(), "isa": study_isa.describe(), "batches": batches}))
 
 
 if __name__ == "__main__":

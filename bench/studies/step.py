@@ -10,7 +10,11 @@ reads per call, ~0.1 ms per step on SmolLM2's 30 layers). One torch thread unles
 the clock is the thread's CPU time (``time.thread_time``: all the work runs on the calling thread, and other
 processes on a shared machine do not count), else the wall clock.
 
+``--isa avx2,avx512`` runs each ISA in its own process, our kernels built for it and oneDNN/MKL/ATen capped
+to it (``bench/studies/isa.py``); ``--cpu-linear`` the engine's option of that name (default auto).
+
     flock /tmp/zserve-cpu.lock .venv/bin/python -m bench.studies.step                 # SmolLM2-135M, B 1,8,32
+    .venv/bin/python -m bench.studies.step --impls zserve --batch 1,8,32 --isa avx2,avx512
     .venv/bin/python -m bench.studies.step --model tiny --batch 1,4 --steps 3         # a smoke run
 """
 
@@ -30,6 +34,7 @@ from torch import nn
 from bench.common import report
 from bench.common.paths import RESULTS
 from bench.generation import zserve_leg
+from bench.studies import isa as study_isa
 from zserve.generator import cpu_linear
 from zserve.generator.attention import PagedKVCache
 from zserve.generator.generator import Generator, GeneratorOptions
@@ -60,10 +65,13 @@ def _instrument(clock: _Clock) -> None:
     PagedKVCache.attend = timed(PagedKVCache.attend, "attention_s")
 
 
-def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps: int, clock: _Clock) -> list[dict]:
+def measure(
+    path: str, impls: list[str], batches: list[int], prompt: int, steps: int, clock: _Clock, cpu_linear: str = "auto"
+) -> list[dict]:  # fmt: skip
     """Every impl's engine loaded side by side and stepped in turn (A, B, A, B...), so that whatever else the
     machine does at the time falls on all of them alike."""
-    options = GeneratorOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256)
+    options = GeneratorOptions(num_blocks=2048, block_size=16, max_batched_tokens=2048, max_running=256,
+                               cpu_linear=cpu_linear)  # fmt: skip
     engines = {}
     for impl in impls:  # "zserve@bfloat16": the model_impl, then the dtype (float32 unless named)
         model_impl, _, dtype = impl.partition("@")
@@ -96,6 +104,7 @@ def measure(path: str, impls: list[str], batches: list[int], prompt: int, steps:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="a transformers folder, smollm2 or tiny (default %(default)s)")
     p.add_argument(
@@ -107,8 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
+    p.add_argument("--cpu-linear", default="auto", help="the engine's cpu_linear option (default %(default)s)")
     p.add_argument("--out", default=str(RESULTS / "gen_step.json"))
+    study_isa.add_argument(p)
     args = p.parse_args(argv)
+    results = study_isa.delegate("bench.studies.step", argv, study_isa.parse(args.isa), Path(args.out))
+    if results is not None:
+        print(f"\nside by side ({study_isa.cpu()}):")
+        for isa, data in results:
+            for r in data["rows"]:
+                print(f"  {isa:<9}{r['impl']:<18}{r['batch']:>6}{r['step_ms']:>10.2f}{r['linear_ms']:>9.2f}"
+                      f"{r['attention_ms']:>11.2f}{r['other_ms']:>8.2f}")  # fmt: skip
+        report.write_json(Path(args.out), {"args": vars(args), "cpu": study_isa.cpu(), "isas": dict(results)})
+        return 0
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("zserve.engine").setLevel(logging.INFO)  # the kernels' choice, in one line
+    print(f"{study_isa.cpu()}\n{study_isa.describe()}; cpu_linear {args.cpu_linear}")
     torch.set_num_threads(args.threads)
     clock = _Clock()
     if args.threads == 1:
@@ -118,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = zserve_leg.resolve_model(args.model, "float32", Path(tmp))
         with torch.inference_mode():
-            rows = measure(path, args.impls.split(","), batches, args.prompt, args.steps, clock)
+            rows = measure(path, args.impls.split(","), batches, args.prompt, args.steps, clock, args.cpu_linear)
     print(f"{'impl':<18}{'batch':>6}{'step ms':>10}{'linear':>9}{'attention':>11}{'other':>8}")
     for r in rows:
         print(f"{r['impl']:<18}{r['batch']:>6}{r['step_ms']:>10.2f}{r['linear_ms']:>9.2f}"
               f"{r['attention_ms']:>11.2f}{r['other_ms']:>8.2f}")  # fmt: skip
     clock_name = "thread CPU time" if args.threads == 1 else "wall clock"
     print(f"(medians of {args.steps} decode steps after prompts of {args.prompt} tokens; {clock_name})")
-    report.write_json(Path(args.out), {"args": vars(args), "clock": clock_name, "rows": rows})
+    report.write_json(Path(args.out), {"args": vars(args), "clock": clock_name, "cpu": study_isa.cpu(),
+                                       "isa": study_isa.describe(), "rows": rows})  # fmt: skip
     return 0
 
 

@@ -47,3 +47,44 @@ def test_without_a_compiler_products_and_norms_run_on_onednn_and_torch(monkeypat
     leaf = llama._leaf.__wrapped__(llama.rms_norm, "cpu")
     weight = torch.randn(64)
     assert torch.equal(leaf(x, weight, 1e-6), llama.rms_norm(x, weight, 1e-6))
+
+
+def test_the_kernels_build_for_the_isa_named_and_refuse_one_this_cpu_does_not_run(monkeypatch, caplog):
+    best = c_build.runnable()[0]
+    assert c_build.isa().name == best and "-march=native" in c_build.isa().flags
+    assert c_build.runnable()[-1] == "portable"
+    for name in c_build.runnable()[1:]:
+        monkeypatch.setenv("ZSERVE_CPU_ISA", name)
+        assert c_build.isa() == c_build.ISAS[name]  # a lower ISA: its own flags, not this CPU's
+    monkeypatch.setenv("ZSERVE_CPU_ISA", "sse9")
+    with caplog.at_level("WARNING", logger="zserve.engine"):
+        assert c_build.isa().name == best
+    assert "ZSERVE_CPU_ISA=sse9" in caplog.text
+
+
+@pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here")
+@pytest.mark.parametrize("name", c_build.runnable())
+def test_the_vector_helpers_sum_and_exponentiate_on_every_isa(name, rebuilt):
+    """``vsums`` (a tree of shuffles) gives each vector's lane sum in its lane; ``vexp`` is expf to ~2 ulp."""
+    import ctypes
+
+    isa = c_build.for_name(name)
+    source = (
+        c_build.vectors(isa.width)
+        + r"""
+void sums(const float *p, float *out) { vf v[VW]; for (int i = 0; i < VW; i++) v[i] = vload(p + i * VW);
+                                        vstore(out, vsums(v)); }
+void exps(const float *x, float *out, int n) { for (int i = 0; i < n; i += VW) vstore(out + i, vexp(vload(x + i))); }
+"""
+    )
+    lib = c_build.build(f"probe-{name}", source, isa.flags, "the probe")
+    assert lib is not None
+    w = isa.width
+    x = torch.randn(w, w)
+    out = torch.empty(w)
+    lib.sums(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+    torch.testing.assert_close(out, x.sum(1), rtol=1e-5, atol=1e-5)
+    y = torch.linspace(-87, 88, 64 * w)  # where fp32 has an exp (the kernels clamp outside)
+    e = torch.empty_like(y)
+    lib.exps(ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(e.data_ptr()), ctypes.c_int(y.numel()))
+    torch.testing.assert_close(e, y.exp(), rtol=1e-6, atol=0)

@@ -18,6 +18,9 @@ def test_it_falls_back_to_onednn_when_a_variant_is_slower_failed_or_ties():
     assert kc.choose({kc.ONEDNN: 1.0, A: 1.4, B: 9.0}) == kc.ONEDNN  # slower
     assert kc.choose({kc.ONEDNN: 1.0, A: None, B: None}) == kc.ONEDNN  # did not build / raised / wrong
     assert kc.choose({kc.ONEDNN: 1.0, A: 1.0}) == kc.ONEDNN  # a tie keeps the reference
+    assert kc.choose({kc.ONEDNN: 1.0, A: 0.98}) == kc.ONEDNN  # and so does a gain within the noise
+    assert kc.choose({kc.ONEDNN: 1.0, A: 0.96}) == A
+    assert kc.choose({kc.ONEDNN: None, A: 2.0, kc.TORCH: 3.0}) == A  # oneDNN failed: the fastest that ran
     assert kc.choose({kc.ONEDNN: 1.0, A: float("nan")}) == kc.ONEDNN
     assert kc.choose({}) == kc.ONEDNN
 

@@ -13,6 +13,16 @@ import torch.nn.functional as F
 from zserve.generator import c_build, native
 
 
+@pytest.fixture(autouse=True, params=c_build.runnable())
+def isa(request, monkeypatch):
+    """Every test on every instruction set this CPU runs (AVX2 built with -march=haswell on an AVX-512 CPU;
+    the portable 4-float build everywhere): each has its own vector width, so its own kernel."""
+    monkeypatch.setenv("ZSERVE_CPU_ISA", request.param)
+    native._library.cache_clear()
+    yield request.param
+    native._library.cache_clear()
+
+
 def reference(q, kc, vc, tables, lengths, block_size, scale):
     out = torch.empty_like(q)
     kb, vb = kc.view(-1, block_size, *kc.shape[1:]), vc.view(-1, block_size, *vc.shape[1:])
@@ -33,7 +43,7 @@ def threads(request):
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 80)])
 @pytest.mark.parametrize("threads", [1, 3], indirect=True, ids=["1-thread", "rows-split-3-ways"])
-@pytest.mark.parametrize("block_size", [8, 16, 48])  # under, at and over the kernel's 16 tokens at a time
+@pytest.mark.parametrize("block_size", [8, 16, 48])  # under, at and over the kernel's 4-16 tokens at a time
 def test_the_kernel_attends_like_sdpa_over_the_gathered_kv(heads, kv_heads, head_dim, threads, block_size):
     if not c_build.has_compiler():
         pytest.skip("no C compiler here: the engine runs the torch path")

@@ -12,6 +12,16 @@ from zserve.generator import c_build, llama, native_pointwise
 pytestmark = pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: these run on torch")
 
 
+@pytest.fixture(autouse=True, params=c_build.runnable())
+def isa(request, monkeypatch):
+    """Every test on every instruction set this CPU runs (AVX2 built with -march=haswell on an AVX-512 CPU;
+    the portable 4-float build everywhere): each has its own vector width, so its own kernel."""
+    monkeypatch.setenv("ZSERVE_CPU_ISA", request.param)
+    native_pointwise._library.cache_clear()
+    yield request.param
+    native_pointwise._library.cache_clear()
+
+
 def close(got, want):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -98,43 +98,6 @@ def for_name(name: str) -> Isa:
     return replace(chosen, march=("-march=native",)) if name == runnable()[0] else chosen
 
 
-# What every kernel's source starts with: 16 floats as one vector type, in whatever registers the target has
-# (one AVX-512 register, two AVX2 ones, four NEON ones), through GCC/clang vector extensions; and exp. A kernel
-# whose live vectors must fit the register file uses ``vectors(isa.width)``'s ``vf`` instead.
-VECTORS = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4))); /* the same, at any float's address */
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16 load(const float *p) { return *(const v16u *)p; }
-static inline void store(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
-
-/* exp(x), 16 at a time: Cephes' expf polynomial (within 2 ulp of expf), x clamped to where fp32 has one */
-static inline v16 vexp(v16 x) {
-    const v16 zero = {0}, lo = zero - 87.3f, hi = zero + 88.7f;
-    x = vselect(x < lo, lo, vselect(x > hi, hi, x));
-    const v16 y = x * 1.44269504088896341f + 0.5f;
-    v16 n = __builtin_convertvector(__builtin_convertvector(y, v16i), v16); /* towards zero, then floor: */
-    n -= vselect(n > y, zero + 1.f, zero);
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
-}
-"""
-
-
 def _cpu_id() -> str:
     """What -march=native compiles for: the machine, its CPU's model name and feature flags."""
     lines = []
@@ -189,12 +152,63 @@ def build(name: str, source: str, flags: list[str], what: str) -> ctypes.CDLL | 
 
 
 def vectors(width: int) -> str:
-    """``vf``: ``width`` floats, one register of the ISA the source is built for (``Isa.width``); ``vfu`` the
-    same at any float's address, ``vload``/``vstore`` through it."""
+    """What every kernel's source starts with: ``vf``, ``width`` floats, one register of the ISA it is built
+    for (``Isa.width``; ``VW`` in the source), through GCC/clang vector extensions, and ``vfi`` its int32 lanes;
+    ``vload``/``vstore`` at any float's address, ``vselect``, ``vexp`` (Cephes' expf polynomial, within 2 ulp),
+    ``vhsum`` (one vector's lanes summed) and ``vsums`` (``VW`` vectors' lane sums at once, a tree of
+    shuffles: ~3 operations per sum where summing each alone costs ~10)."""
+    levels, code, src, k = [], [], "p", 1
+    while k < width:
+        half = width // (2 * k)
+        lanes = [[(base + j + extra) + (width if h else 0) for base in range(0, width, 2 * k) for h in (0, 1)
+                  for j in range(k)] for extra in (0, k)]  # fmt: skip
+        name = f"s{len(levels) + 1}"
+        masks = [", ".join(map(str, m)) for m in lanes]
+        shuf = " + ".join(f"SHUF({src}[2 * i], {src}[2 * i + 1], {m})" for m in masks)
+        code.append(f"    vf {name}[{half}];\n    for (int i = 0; i < {half}; i++) {name}[i] = {shuf};")
+        levels.append(name)
+        src, k = name, k * 2
+    body = "\n".join(code) + f"\n    return {src}[0];" if code else "    return p[0];"
     return f"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #define VW {width}
 typedef float vf __attribute__((vector_size({4 * width})));
 typedef float vfu __attribute__((vector_size({4 * width}), aligned(4)));
+typedef int32_t vfi __attribute__((vector_size({4 * width})));
 static inline vf vload(const float *p) {{ return *(const vfu *)p; }}
 static inline void vstore(float *p, vf x) {{ *(vfu *)p = x; }}
+static inline vf vselect(vfi m, vf a, vf b) {{ return (vf)(((vfi)a & m) | ((vfi)b & ~m)); }}
+static inline float vhsum(vf x) {{
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += x[i];
+    return s;
+}}
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (vfi){{__VA_ARGS__}})
+#endif
+static inline vf vsums(const vf *p) {{
+{body}
+}}
+/* exp(x), VW at a time: Cephes' expf polynomial (within 2 ulp of expf), x clamped to where fp32 has one */
+static inline vf vexp(vf x) {{
+    const vf zero = {{0}}, lo = zero - 87.3f, hi = zero + 88.7f;
+    x = vselect(x < lo, lo, vselect(x > hi, hi, x));
+    const vf y = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(y, vfi), vf); /* towards zero, then floor: */
+    n -= vselect(n > y, zero + 1.f, zero);
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (vf)((__builtin_convertvector(n, vfi) + 127) << 23);
+}}
 """

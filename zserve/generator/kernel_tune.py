@@ -45,7 +45,8 @@ def candidates(weight: torch.Tensor) -> list[str]:
     return out
 
 
-def _shape(linear: nn.Linear) -> str:
+def shape(linear: nn.Linear) -> str:
+    """The key its choice is made and cached under: inputs, outputs, and whether it has a bias."""
     return f"{linear.in_features}->{linear.out_features}{'+b' if linear.bias is not None else ''}"
 
 
@@ -56,20 +57,29 @@ def prepack(model: nn.Module, rows: tuple[int, ...], head_rows: int = 0, budget_
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     places = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
               if type(child) is nn.Linear]  # fmt: skip
-    groups: dict[str, list[nn.Linear]] = defaultdict(list)
-    buckets: dict[str, tuple[int, ...]] = {}
-    for _, _, child in places:
-        shape = _shape(child)
-        groups[shape].append(child)
-        cap = head_rows if child is head and head_rows else max(rows, default=1)
-        buckets[shape] = kernel_choice.buckets(*(r for r in rows if r <= cap))
-    routes = {}
-    if any(c.weight.dtype == torch.float32 and c.weight.device.type == "cpu" for _, _, c in places):
-        routes = _routes(groups, buckets, budget_s)
+    routes = choose([child for _, _, child in places], rows, head, head_rows, budget_s)
     for parent, name, child in places:
-        route = routes.get(_shape(child))
+        route = routes.get(shape(child))
         setattr(parent, name, cpu_linear.PackedLinear(child, route=route) if route else cpu_linear.PackedLinear(child))
     return len(places)
+
+
+def choose(
+    linears: list[nn.Linear], rows: tuple[int, ...], head: nn.Module | None = None, head_rows: int = 0,
+    budget_s: float = BUDGET_S,
+) -> dict[str, kernel_choice.Route]:  # fmt: skip
+    """The route of every fp32 CPU shape among ``linears`` (``head`` measured up to ``head_rows`` only), from
+    the cache or measured, logged in one line; {} where none is fp32 on a CPU."""
+    groups: dict[str, list[nn.Linear]] = defaultdict(list)
+    buckets: dict[str, tuple[int, ...]] = {}
+    for child in linears:
+        if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+            continue
+        key = shape(child)
+        groups[key].append(child)
+        cap = head_rows if child is head and head_rows else max(rows, default=1)
+        buckets[key] = kernel_choice.buckets(*buckets.get(key, ()), *(r for r in rows if r <= cap))
+    return _routes(groups, buckets, budget_s) if groups else {}
 
 
 def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ...]], budget_s: float):
@@ -107,7 +117,7 @@ def measure(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
     pass over enough of the shape's own layers (or columns of one) that their weights are read from memory,
     as in a real step; many rows on a slice of one layer's outputs small enough to time in a few ms (the
     product is compute-bound there, and its time per output the same). Each candidate gets an equal share of
-    what is left of ``budget_s``; one whose first run alone spends its share is timed by that run."""
+    what is left of ``budget_s`` (and one timed pass at least, however long)."""
     timings: dict[str, dict[int, dict[str, float | None]]] = {}
     deadline = time.perf_counter() + budget_s
     names = {shape: candidates(layers[0].weight) for shape, layers in groups.items()}
@@ -161,8 +171,8 @@ def _packed(layers: list[nn.Linear], kind: str) -> list[Callable] | None:
 
 
 def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float) -> float | None:
-    """Seconds per product: best of up to ``_REPEATS`` passes within ``share`` after a first run that checks
-    the result (that run's own time where it alone spent the share); None where it raised or was wrong."""
+    """Seconds per product: best of 1 to ``_REPEATS`` passes within ``share`` after a first run that checks
+    the result; None where it raised or was wrong."""
     kind = layers[0].route.kinds[0]
     try:
         t0 = time.perf_counter()
@@ -173,14 +183,14 @@ def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: fl
             return None
         best, spent = math.inf, first
         for _ in range(_REPEATS):
-            if spent >= share:
-                break
+            if spent >= share and best < math.inf:  # at least one pass after the first run (oneDNN makes its
+                break  # primitive for a new shape there)
             t0 = time.perf_counter()
             for layer in layers:
                 layer(x)
             took = time.perf_counter() - t0
             best, spent = min(best, took / len(layers)), spent + took
-        return min(best, first)
+        return best
     except RuntimeError as e:
         log.warning("CPU linear candidate %s failed: %s", kind, e)
         return None

@@ -3,10 +3,12 @@ add and RMSNorm, rotary, SiLU times up, and the greedy argmax.
 
 Why: in eager torch each is several ops (RMSNorm alone is pow, mean, add, rsqrt and two products, 61 calls a
 step for SmolLM2), and a decode step pays ~40 op dispatches per layer. Here each is one pass over its rows in
-16-float vectors (``c_build.VECTORS``, as ``native.py`` and ``native_linear.py``). A decode step's time
-outside the products and the attention, SmolLM2 at 1 thread (``python -m bench.studies.step``, before and
-after, back to back): 6.8 -> 3.6 ms at 1 decode, 7.8 -> 4.2 at 8, 13.6 -> 7.0 at 32 (the span also holds
-the C products and attention, whose own commit left this part unchanged).
+vectors of one register of the ISA they are built for (``c_build.vectors``: 16 floats on AVX-512, 8 on
+AVX2, as ``native.py`` and ``native_linear.py``; 16-float vectors built for AVX2 ran 1.4-8.6x slower, issue
+33). A decode step's time outside the products and the attention, SmolLM2 at 1 thread on an AVX-512 core
+(``python -m bench.studies.step``, before and after, back to back): 6.8 -> 3.6 ms at 1 decode, 7.8 -> 4.2
+at 8, 13.6 -> 7.0 at 32 (the span also holds the C products and attention, whose own commit left this part
+unchanged).
 
 Not bit for bit torch's: the sums of squares and the exp are ours (Cephes' polynomial, within 2 ulp), so
 results differ from HF's by rounding; greedy output still equals ``generate``'s in the engine's tests.
@@ -23,15 +25,7 @@ import torch
 
 from zserve.generator import c_build
 
-_SOURCE = (
-    c_build.VECTORS
-    + r"""
-static inline float hsum(v16 x) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
-}
-
+_KERNELS = r"""
 /* rows [T][G] of D floats (x at x + t*xt + g*xg; residual likewise when not NULL): with a residual,
    res_out = x + residual first and the norm is over it; out = r * (1 / sqrt(mean(r^2) + eps)) * w[g]
    (w + g*wg: wg 0 for one weight for every g). out, res_out: [T][G][D] contiguous. D % 16 == 0. */
@@ -45,17 +39,17 @@ void zserve_rms_norm(const float *x, long xt, long xg, const float *res, long rt
             if (res) {
                 const float *rr = res + t * rt + g * rg;
                 float *ro = res_out + ((long)t * G + g) * D;
-                for (int i = 0; i < D; i += 16) store(ro + i, load(rr + i) + load(xr + i));
+                for (int i = 0; i < D; i += VW) vstore(ro + i, vload(rr + i) + vload(xr + i));
                 r = ro;
             }
-            v16 ss = {0};
-            for (int i = 0; i < D; i += 16) {
-                const v16 v = load(r + i);
+            vf ss = {0};
+            for (int i = 0; i < D; i += VW) {
+                const vf v = vload(r + i);
                 ss += v * v;
             }
-            const float inv = 1.f / sqrtf(hsum(ss) / D + eps);
+            const float inv = 1.f / sqrtf(vhsum(ss) / D + eps);
             const float *wr = w + g * wg;
-            for (int i = 0; i < D; i += 16) store(o + i, load(r + i) * inv * load(wr + i));
+            for (int i = 0; i < D; i += VW) vstore(o + i, vload(r + i) * inv * vload(wr + i));
         }
 }
 
@@ -68,10 +62,10 @@ void zserve_rotary(const float *x, long xt, long xg, const float *cs, const floa
         for (int g = 0; g < G; g++) {
             const float *xr = x + t * xt + g * xg, *c = cs + (long)t * h, *s = sn + (long)t * h;
             float *o = out + ((long)t * G + g) * D;
-            for (int i = 0; i < h; i += 16) {
-                const v16 x1 = load(xr + i), x2 = load(xr + h + i), cv = load(c + i), sv = load(s + i);
-                store(o + i, x1 * cv - x2 * sv);
-                store(o + h + i, x2 * cv + x1 * sv);
+            for (int i = 0; i < h; i += VW) {
+                const vf x1 = vload(xr + i), x2 = vload(xr + h + i), cv = vload(c + i), sv = vload(s + i);
+                vstore(o + i, x1 * cv - x2 * sv);
+                vstore(o + h + i, x2 * cv + x1 * sv);
             }
         }
 }
@@ -81,9 +75,9 @@ void zserve_silu_mul(const float *gu, long ld, int T, int I, float *out) {
     for (int t = 0; t < T; t++) {
         const float *g = gu + t * ld, *u = g + I;
         float *o = out + (long)t * I;
-        for (int i = 0; i < I; i += 16) {
-            const v16 gv = load(g + i);
-            store(o + i, gv / (1.f + vexp(-gv)) * load(u + i));
+        for (int i = 0; i < I; i += VW) {
+            const vf gv = vload(g + i);
+            vstore(o + i, gv / (1.f + vexp(-gv)) * vload(u + i));
         }
     }
 }
@@ -95,15 +89,15 @@ void zserve_argmax(const float *x, long ld, int R, int V, int64_t *out) {
         const float *row = x + r * ld;
         float m = row[0];
         int i = 0, nan = 0;
-        if (V >= 16) {
-            v16 mv = load(row);
-            v16i nans = mv != mv;
-            for (i = 16; i + 16 <= V; i += 16) {
-                const v16 v = load(row + i);
+        if (V >= VW) {
+            vf mv = vload(row);
+            vfi nans = mv != mv;
+            for (i = VW; i + VW <= V; i += VW) {
+                const vf v = vload(row + i);
                 mv = vselect(v > mv, v, mv);
                 nans |= v != v;
             }
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < VW; j++) {
                 m = mv[j] > m ? mv[j] : m;
                 nan |= nans[j];
             }
@@ -121,12 +115,13 @@ void zserve_argmax(const float *x, long ld, int R, int V, int64_t *out) {
     }
 }
 """
-)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = c_build.build("pointwise", _SOURCE, c_build.FLAGS, "the CPU norms, rotary and SiLU")
+    isa = c_build.isa()  # its vectors divide 16, so every width that is a multiple of 16 suits every ISA
+    source = c_build.vectors(isa.width) + _KERNELS
+    lib = c_build.build(f"pointwise-{isa.name}", source, isa.flags, "the CPU norms, rotary and SiLU")
     if lib is None:
         return None
     ptr, c_long, c_int, c_float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
