@@ -95,6 +95,7 @@ class Traffic:
     def __init__(self, url: str, clients: int) -> None:
         self.url = url
         self.done: list[tuple[float, float, str, int]] = []
+        self.pending: dict[int, tuple[float, str]] = {}  # thread -> (started at, route) of what it waits for
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(clients)]
         for t in self.threads:
@@ -106,13 +107,21 @@ class Traffic:
             n += 1
             route, path, body = self.ROUTES[n % len(self.ROUTES)]
             started = time.monotonic()
+            self.pending[k] = (started, route)
             status, _ = post(self.url, path, body(k, n))
             ended = time.monotonic()
+            del self.pending[k]
             self.done.append((ended, ended - started, route, status))
 
     def window(self, start: float, end: float) -> dict[str, Any]:
+        """Latencies of the requests answered in [start, end), and of those still waiting at ``end`` counted as
+        ``end - started`` (a caller stuck behind the attack has no answer to time, and must still count)."""
         rows = [r for r in list(self.done) if start <= r[0] < end]
         out: dict[str, Any] = {"answers": len(rows), "not_200": sum(1 for r in rows if r[3] != 200)}
+        if end >= time.monotonic() - 0.01:  # measured right at the window's end: what is pending waited this long
+            waiting = [(end, end - started, route, 0) for started, route in list(self.pending.values())]
+            out["waiting_at_end"] = len(waiting)
+            rows += [r for r in waiting if r[1] > 0]
         for route in [None, *(r[0] for r in self.ROUTES)]:
             lat = [r[1] for r in rows if route is None or r[2] == route]
             out[f"p99_ms_{route or 'all'}"] = round(float(np.percentile(lat, 99)) * 1000, 1) if lat else None
@@ -185,8 +194,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 error = answer.get("error", {}) if isinstance(answer, dict) else {}
                 results[name] = {
                     "attacker": {"status": status, "param": error.get("param"), "seconds": round(answered_s, 2)},
-                    "calm": traffic.window(calm_start, attacked_at),
                     "attacked": traffic.window(attacked_at, end),
+                    "calm": traffic.window(calm_start, attacked_at),
                     "workers_lost": sum(" lost: no heartbeat" in line for line in managed.notable) - lost_before,
                     "readyz_not_200": len(bad) - bad_before,
                 }

@@ -3,7 +3,8 @@ requests and one-input embeddings from closed-loop clients, whose latencies are 
 
 - a /v1/completions with 300 prompts: 400 naming ``prompt`` ([limits] max_inputs), at no cost to the others;
   a multi-prompt request within the limit that the broker refuses (503, its queue is full) cancels all its
-  pieces: the engine stops (its queue and running sequences back to 0, far fewer steps than the work asked);
+  pieces, and so does a caller that hangs up: the engine stops (its queue and running sequences back to 0, far
+  fewer steps than the work asked);
 - a /v1/embeddings with 100k inputs: 400 naming ``input``, while no worker is lost (the broker's log),
   ``/readyz`` stays 200, and the others' p99 stays within 2x its value without the attacker (both measured
   here, side by side; the bound has a floor for a noisy 2-core machine);
@@ -19,6 +20,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import threading
 import time
 from argparse import Namespace
@@ -34,6 +36,7 @@ from bench.faults.broker_burst import measure as broker_burst
 PHASE_S = 8.0 if os.environ.get("ZSERVE_SLOW") == "1" else 3.0
 CLIENTS = 4
 MAX_INPUTS = 64
+QUEUE = 32  # tiny's max_queue: a request of MAX_INPUTS prompts is within the limit, and refused by the queue
 # The others' p99 under attack may be 2x its value without the attacker, or this much over it, whichever is more:
 # on 2 shared cores a p99 of a few ms doubles from scheduling noise alone. The failures this test exists for cost
 # seconds (the broker dropping its workers, work running on for nobody).
@@ -70,7 +73,7 @@ path = "{emb}"
 [[models]]
 name = "tiny"
 handler = "zserve.models.causal_lm:CausalLM"
-max_queue = 8
+max_queue = {queue}
 timeout_ms = 120000
 [models.options]
 path = "{lm}"
@@ -85,7 +88,7 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one-caller")
     lm = build_tiny_lm(tmp / "tinylm")
     emb = build_stack(build_bert_encoder(tmp / "bert"), tmp / "emb", "mean")
-    config = CONFIG.format(port=free_port(), max_inputs=MAX_INPUTS, emb=emb, lm=lm)
+    config = CONFIG.format(port=free_port(), max_inputs=MAX_INPUTS, queue=QUEUE, emb=emb, lm=lm)
     d = Deployment(write_config(tmp, config)).wait_ready()
     yield d
     assert d.stop() == 0, d.output[-3000:]
@@ -219,27 +222,54 @@ def test_too_many_prompts_is_a_400_naming_prompt_at_no_cost_to_the_others(deploy
 
 
 def test_a_refused_multi_prompt_request_cancels_every_piece(deployment):
-    """40 prompts (within max_inputs) against a queue of 8 behind 2 running slots: the broker takes 10 and refuses
-    the rest, the caller gets 503 at once, and the 10 it took are cancelled: the engine stops, long before the
-    ~2000 steps the 10 generations of 400 tokens would take."""
+    """64 prompts (within max_inputs) against a queue of 32 behind 2 running slots: the broker takes 32 and refuses
+    the rest, the caller gets 503 at once, and the 32 it took are cancelled: the engine is idle within a second or
+    two, long before the ~6400 steps the 32 generations of 400 tokens would take, and runs a small part of them."""
     d = deployment
-    tokens, prompts = 400, [f"prompt number {i}" for i in range(40)]
-    steps_before = metric(d, "zserve_engine_steps_total", "tiny")
+    tokens, prompts = 400, [f"prompt number {i}" for i in range(MAX_INPUTS)]
+    sent = time.monotonic()
     status, body = post(d, "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": tokens,
                                                 "temperature": 0, "ignore_eos": True})  # fmt: skip
     refused_at = time.monotonic()
     assert status == 503 and body["error"]["code"] == "overloaded", body
+    steps_at_503 = metric(d, "zserve_engine_steps_total", "tiny")  # up to the health cache's age (0.5 s) earlier
     deadline = refused_at + 30
     while metric(d, "zserve_queue_depth", "tiny") or metric(d, "zserve_running_sequences", "tiny"):
         assert time.monotonic() < deadline, "the refused request's pieces are still queued or running"
         time.sleep(0.05)
     idle_s = time.monotonic() - refused_at
-    steps = metric(d, "zserve_engine_steps_total", "tiny") - steps_before
-    print(f"engine idle {idle_s:.2f}s after the 503, {steps:.0f} steps")
-    assert steps < 10 * tokens / 2 / 4, f"{steps} engine steps ran for a request answered 503"
+    time.sleep(0.6)  # the health cache's age: the last steps are counted
+    steps = metric(d, "zserve_engine_steps_total", "tiny") - steps_at_503
+    print(f"503 after {refused_at - sent:.2f}s; engine idle {idle_s:.2f}s later, {steps:.0f} steps since")
+    assert steps < QUEUE * tokens / 2 / 3, f"{steps} engine steps ran for a request answered 503"
     # the engine serves the next caller as usual
     status, body = post(d, "/v1/completions", {"model": "tiny", "prompt": "after", "max_tokens": 4})
     assert status == 200, body
+
+
+def test_a_caller_that_hangs_up_cancels_every_piece(deployment):
+    """Two prompts of 400 tokens each, and the caller closes its connection: both sequences leave the engine at
+    once, not after gunicorn's 3 s grace period, and long before their ~400 steps."""
+    d = deployment
+    steps_before = metric(d, "zserve_engine_steps_total", "tiny")
+    host, port = d.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": ["one", "two"], "max_tokens": 400,
+                 "temperature": 0, "ignore_eos": True}), {"Content-Type": "application/json"})  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not metric(d, "zserve_running_sequences", "tiny"):
+        assert time.monotonic() < deadline, "the completion never started"
+        time.sleep(0.01)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    hung_up = time.monotonic()
+    while metric(d, "zserve_running_sequences", "tiny") or metric(d, "zserve_queue_depth", "tiny"):
+        assert time.monotonic() < hung_up + 30, "the pieces of a request whose caller hung up are still running"
+        time.sleep(0.02)
+    idle_s = time.monotonic() - hung_up
+    steps = metric(d, "zserve_engine_steps_total", "tiny") - steps_before
+    print(f"engine idle {idle_s:.2f}s after the hang-up, {steps:.0f} steps")
+    assert idle_s < 2.0 and steps < 200, (idle_s, steps)
 
 
 def test_a_huge_embeddings_request_is_a_400_naming_input_and_loses_no_worker(deployment):
