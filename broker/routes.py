@@ -19,9 +19,11 @@ class Routes:
         self.routers = {m: PrefixRouter() for m in models}
         self.pool = pool
         self.requests = requests
+        self._names: dict[bytes, str] = {}  # worker id -> the name its counters go under (without the pid)
         pool.on_removed = self.drop
 
     def drop(self, worker_id: bytes) -> None:
+        self._names.pop(worker_id, None)
         for router in self.routers.values():
             router.index.drop(worker_id)
 
@@ -55,8 +57,10 @@ class Routes:
                     candidates.append(Candidate(engine, len(w.in_flight)))
         decision = router.choose(hashes, candidates)
         chosen = self.pool.workers[decision.engine]
-        # counted by its name without the pid (``name:pid``), so an engine's counters survive its restarts
-        router.count(chosen.name.rsplit(":", 1)[0], decision, len(hashes))
+        name = self._names.get(decision.engine)
+        if name is None:  # counted by its name without the pid (``name:pid``): its counters survive its restarts
+            name = self._names[decision.engine] = chosen.name.rsplit(":", 1)[0]
+        router.count(name, decision, len(hashes))
         return chosen
 
     def report(self, model: str) -> list[EngineRouting]:

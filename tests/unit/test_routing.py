@@ -45,7 +45,7 @@ def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once()
     index.reset(B, [7, 8])
     index.drop(A)
     assert len(index) == 2 and index.matches([7, 8], [A, B]) == {A: 0, B: 2}
-    assert set(index._holders) == {7, 8}  # no hash left pointing at the dead engine
+    assert index.holders(7) == [B] and index.holders(0) == []  # nothing left pointing at the dead engine
     index.reset(B, [9])  # a restarted engine: its snapshot replaces what was known
     assert index.matches([7], [B]) == {B: 0} and index.matches([9], [B]) == {B: 1}
 
