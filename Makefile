@@ -6,7 +6,8 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zserve-installed
 
-.PHONY: install serve test test-all lint docs bench bench-env bench-infinity-env bench-embeddings clean
+.PHONY: install serve test test-all test-newest test-floors lint docs bench bench-env bench-infinity-env \
+	bench-embeddings clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,26 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q -ra
+
+# The tests that touch the model libraries (sentence-transformers stacks, rerank and classification, generation
+# against HF generate, GGUF loading, structured output, the default deployment end to end), run again at both ends
+# of pyproject.toml's ranges, each in a virtualenv of its own built afresh (.ci/range_leg; `.ci/run` runs both):
+# `make test-newest` with the newest releases the ranges admit, `make test-floors` with the model libraries at
+# their floors (.ci/floors.py). torch stays 2.13's CPU wheel in both. The first line of each names its versions.
+MODEL_LIBRARY_TESTS := \
+	tests/integration/test_embedding_model.py \
+	tests/integration/test_task_models.py \
+	tests/integration/test_causal_lm.py \
+	tests/integration/test_gguf_cache.py \
+	tests/unit/test_structured_output.py \
+	tests/unit/test_versions.py \
+	tests/e2e/test_default_deployment.py
+
+test-newest:
+	.ci/range_leg newest .venv-newest $(MODEL_LIBRARY_TESTS)
+
+test-floors:
+	.ci/range_leg floors .venv-floors $(MODEL_LIBRARY_TESTS)
 
 # The documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8001, rebuilt on every edit; `make test` builds it
 # with --strict (tests/docs/test_site.py).
@@ -74,4 +95,4 @@ bench-embeddings: bench-env bench-infinity-env
 	$(BENCH_VENV)/bin/python -m bench.embeddings
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-newest .venv-floors build *.egg-info .pytest_cache .ruff_cache

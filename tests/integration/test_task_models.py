@@ -158,7 +158,8 @@ def _hf_image_probs(folder, files):
     import io
 
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from transformers import AutoModelForImageClassification
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor  # 5.17: see image_classification
 
     processor = AutoImageProcessor.from_pretrained(folder)
     model = AutoModelForImageClassification.from_pretrained(folder).eval()

@@ -86,7 +86,9 @@ class ImageClassification(Model):
     # ---- preprocess stage ----
 
     def setup_preprocess(self) -> None:
-        from transformers import AutoImageProcessor
+        # From its module: transformers 5.17's top-level AutoImageProcessor is a stand-in that demands torchvision,
+        # though the class itself falls back to the PIL processors without it (as the top-level one does from 5.18).
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
         self.processor = AutoImageProcessor.from_pretrained(self.path)
 
