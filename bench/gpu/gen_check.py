@@ -9,13 +9,19 @@ real configs (nothing downloaded) and our Llama-family model code (zserve/genera
    shapes in bf16: its median time against the memory-bandwidth bound, (weight bytes + KV bytes read) /
    bandwidth, the bandwidth measured here by a device-to-device copy;
 3. per decode step (batch 8): kernels launched and host syncs (``cuda*Synchronize`` calls), from the profiler.
-Parts 1-3 run for each leg: ``triton+graphs`` (decode steps replay CUDA graphs, zserve/generator/cuda_graphs.py,
-over the Triton kernel), ``triton`` (zserve/generator/triton_attention.py eagerly: every row of the step in one
-kernel per layer, over the blocks in place) and ``torch`` (decodes as one padded SDPA batch over gathered KV,
-prefill chunks one SDPA call each).
+4. bf16: greedy tokens and logits of SmolLM2-135M's shapes (tiny when dry) in each leg, against the torch leg's.
+Parts 1-4 run for each leg, in the order ``torch`` (decodes as one padded SDPA batch over gathered KV, prefill
+chunks one SDPA call each), ``triton`` (zserve/generator/triton_attention.py eagerly: the decode rows and the
+prefill tiles over the blocks in place) and ``triton+graphs`` (decode steps replay CUDA graphs,
+zserve/generator/cuda_graphs.py, over the Triton kernel). Each leg runs in its own try: one that raises prints its
+traceback and the next leg runs; the JSON is rewritten after every part. Every row says what ran: the attention
+backend (``attention_ran``: the kernel can fail its start-up check and leave the engine on torch), whether graphs
+were made and kept, their replays and whether the first replay passed its check against the eager step. On CUDA
+the exit status is 1 when a triton leg did not attend through triton or no graph replayed (and on any parity
+failure or leg that raised), so a fallback cannot pass for a figure.
 
     python -m bench.gpu.gen_check --out bench/results/issue25-gen-gpu.json   # on the lent machine
-    python -m bench.gpu.gen_check --dry                                       # CPU, tiny shapes, seconds
+    python -m bench.gpu.gen_check --dry --legs torch                          # CPU, tiny shapes, a minute
 
 ``--dry`` runs every part on the CPU at tiny sizes (the CPU suite runs it, so that the script cannot rot).
 It needs torch, transformers and zserve's importable tree (``python -m`` from the repo root is enough: zserve's
@@ -31,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -79,8 +86,6 @@ def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool, gr
     core = StepCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
                     max_running=8 if dry else 256, batched_decode=True, native_decode=False,
                     cuda_graphs=graphs)  # fmt: skip
-    if graphs:
-        assert core.graphs is not None, "CUDA graphs asked for, and the engine did not build them"
     if dry:
         core.upload = Uploader(core.device, pack=True)  # what a device runs
     return core
@@ -142,6 +147,7 @@ def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batche
     kv_per_token = 2 * c.num_hidden_layers * kv_heads(c) * head_dim(c) * torch.tensor([], dtype=dtype).element_size()
     per_seq_blocks = -(-(prompt + steps + 8) // 16) + 1
     core = gpu_path_core(model, per_seq_blocks * max(batches), max(2048, prompt), dry, graphs)
+    made = core.graphs  # the core drops them if their first replay fails its check
     rows = []
     for b in batches:
         for i in range(b):
@@ -162,7 +168,7 @@ def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batche
                      "bound_fraction": bound_s / step_s})  # fmt: skip
         print(f"{name} batch {b:>3}: step {step_s * 1e3:8.3f} ms, bound {bound_s * 1e3:7.3f} ms "
               f"({bound_s / step_s:.2f} of it)", flush=True)  # fmt: skip
-    return core, rows
+    return core, rows, made
 
 
 def kernels_and_syncs(core, device: str, batch: int) -> dict:
@@ -191,13 +197,73 @@ def kernels_and_syncs(core, device: str, batch: int) -> dict:
     return out
 
 
+LEGS = ("torch", "triton", "triton+graphs")  # in this order: the one that cannot fail first
+
+
+def path_taken(core, made) -> dict:
+    """What a leg's engine actually ran: the attention backend of its steps, whether graphs were made (``made``,
+    the core's graphs when it was built: the core drops them after a failed check), their replays and check."""
+    from zserve.generator import triton_attention
+
+    kernel = triton_attention.MODE != "off" and triton_attention.usable(core.device)
+    return {"attention_ran": "triton" if kernel else "torch", "graphs": made is not None,
+            "graphs_kept": core.graphs is not None, "replays": made.replays if made else 0,
+            "graph_check": made.passed if made else None, "graph_error": made.error if made else None}  # fmt: skip
+
+
+def bf16_greedy(device: str, dry: bool, graphs: bool) -> dict:
+    """Greedy tokens and the logits they came from, for a bf16 model (SmolLM2-135M's shapes; tiny when dry): what
+    the legs are compared on (``compare_legs``)."""
+    from zserve.generator.llama import own_model
+    from zserve.generator.sequence import SamplingParams
+
+    prefix, shape = (
+        ("Llama", dict(TINY, num_attention_heads=4, num_key_value_heads=2)) if dry else ("Llama", SMOLLM2_135M)
+    )
+    core = gpu_path_core(own_model(build(prefix, shape, torch.bfloat16, device), "zserve"), 64, 512, dry, graphs)
+    made = core.graphs
+    logits: list[torch.Tensor] = []
+    sampler = core.sampler
+
+    class Recording:  # the logits each step samples from, before sampling changes them in place
+        def run(self, step_logits, seqs):
+            logits.append(step_logits.float().cpu().clone())
+            return sampler.run(step_logits, seqs)
+
+    core.sampler = Recording()
+    tokens: dict[int, list[int]] = {}
+    for i in range(4):
+        core.add(
+            i, [(13 * i + j) % 200 + 5 for j in range(24 + 7 * i)], SamplingParams(max_new_tokens=4 if dry else 16)
+        )
+    while core.has_work():
+        for o in core.step():
+            tokens.setdefault(o.seq_id, []).append(o.token_id)
+    return {"tokens": tokens, "logits": logits, "path": path_taken(core, made)}
+
+
+def compare_legs(base: dict, other: dict) -> dict:
+    """A leg's bf16 run against the torch leg's: greedy sequences equal, and the largest logit difference over the
+    steps both took alike (relative to the largest logit), up to the first step whose tokens differ."""
+    equal = sum(base["tokens"][i] == other["tokens"].get(i) for i in base["tokens"])
+    worst = 0.0
+    for a, b in zip(base["logits"], other["logits"], strict=False):
+        if a.shape != b.shape:
+            break
+        worst = max(worst, float((a - b).abs().max() / a.abs().max().clamp_min(1e-6)))
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break
+    return {"greedy_equal": f"{equal}/{len(base['tokens'])}", "max_logit_error": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry", action="store_true", help="on the CPU, tiny shapes (what the test suite runs)")
+    p.add_argument("--legs", default=",".join(LEGS), help=f"a subset of {','.join(LEGS)}, run in that order")
     p.add_argument("--batch", default="1,8,32,64")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here (after every leg)")
     args = p.parse_args(argv)
     _import_zserve()
     device = "cpu" if args.dry else "cuda"
@@ -205,45 +271,79 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("gen_check.py: no CUDA device (use --dry on a CPU)")
     torch.backends.cuda.matmul.allow_tf32 = False  # parity in fp32 means fp32 products
     torch.set_grad_enabled(False)
+    legs = [leg for leg in LEGS if leg in args.legs.split(",")]
     batches = [1, 2] if args.dry else [int(b) for b in args.batch.split(",")]
     prompt, steps = (16, 2) if args.dry else (args.prompt, args.steps)
     started = time.perf_counter()
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry)",
-                    "torch": torch.__version__}  # fmt: skip
-    from zserve.generator import triton_attention
+                    "torch": torch.__version__, "legs": legs, "parity": {}, "decode": [], "per_step": [],
+                    "bf16": {}, "paths": {}, "failures": []}  # fmt: skip
+    from zserve.generator import llama, triton_attention
 
-    # dry: the triton leg runs on the CPU through triton's interpreter when the caller turned it on
+    # dry: the triton legs run on the CPU through triton's interpreter when the caller turned it on
     # (TRITON_INTERPRET=1 ZSERVE_TRITON_ATTENTION=interpret, as the test suite does)
     on = triton_attention.MODE
-    backends = ["triton+graphs", "triton", "torch"] if triton_attention.usable(torch.device(device)) else ["torch"]
-    result["attention_backends"] = backends
     shapes = {"tiny": ("Llama", dict(TINY, num_attention_heads=4, num_key_value_heads=2))} if args.dry else {
         "smollm2-135m": ("Llama", SMOLLM2_135M), "qwen3-0.6b": ("Qwen3", QWEN3_06B)}  # fmt: skip
     dtype = torch.float32 if args.dry else torch.bfloat16
-    result["parity"], result["decode"], result["per_step"] = {}, [], []
+    greedy: dict[str, dict] = {}
+
+    def write() -> None:
+        result["wall_s"] = time.perf_counter() - started
+        result["compile_s"] = dict(llama.COMPILE_S)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+
     with torch.inference_mode():
         bw = bandwidth_gbs(device, args.dry)
         result["bandwidth_gbs"] = bw
         print(f"measured copy bandwidth: {bw:.0f} GB/s", flush=True)
-        for backend in backends:
-            triton_attention.MODE = on if backend.startswith("triton") else "off"
-            graphs = backend == "triton+graphs"
-            print(f"-- attention: {backend}", flush=True)
-            result["parity"] |= {f"{name} ({backend})": v for name, v in parity(device, args.dry, graphs).items()}
-            for name, (prefix, shape) in shapes.items():
-                core, rows = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw, args.dry,
-                                          graphs)  # fmt: skip
-                result["decode"] += [r | {"attention": backend} for r in rows]
-                per_step = kernels_and_syncs(core, device, 2 if args.dry else 8)
-                result["per_step"].append({"model": name, "attention": backend} | per_step)
-                del core
-    result["wall_s"] = time.perf_counter() - started
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        for leg in legs:
+            leg_started = time.perf_counter()
+            print(f"-- leg {leg}", flush=True)
+            try:
+                triton_attention.MODE = on if leg.startswith("triton") else "off"
+                graphs = leg == "triton+graphs"
+                if leg.startswith("triton") and not triton_attention.usable(torch.device(device)):
+                    raise RuntimeError("triton attention is not usable here (see the warning above)")
+                greedy[leg] = bf16_greedy(device, args.dry, graphs)
+                result["paths"][f"bf16 ({leg})"] = greedy[leg]["path"]
+                if leg != "torch" and "torch" in greedy:
+                    result["bf16"][leg] = compare_legs(greedy["torch"], greedy[leg])
+                    print(f"bf16 {leg} against torch: {result['bf16'][leg]}", flush=True)
+                write()
+                result["parity"] |= {f"{name} ({leg})": v for name, v in parity(device, args.dry, graphs).items()}
+                write()
+                for name, (prefix, shape) in shapes.items():
+                    core, rows, made = decode_steps(name, prefix, shape, device, dtype, batches, prompt, steps, bw,
+                                                    args.dry, graphs)  # fmt: skip
+                    taken = path_taken(core, made)
+                    result["decode"] += [r | {"leg": leg} | taken for r in rows]
+                    per_step = kernels_and_syncs(core, device, 2 if args.dry else 8)
+                    result["per_step"].append({"model": name, "leg": leg} | per_step | path_taken(core, made))
+                    print(f"{name} ({leg}) ran: {path_taken(core, made)}", flush=True)
+                    del core, made
+                    write()
+            except Exception as exc:
+                traceback.print_exc()
+                result["failures"].append({"leg": leg, "error": repr(exc)})
+            print(f"-- leg {leg}: {time.perf_counter() - leg_started:.0f} s", flush=True)
+            write()
+    print(f"torch.compile, first call of each leaf: {llama.COMPILE_S}", flush=True)
     failed = [k for k, v in result["parity"].items() if v.split("/")[0] != v.split("/")[1]]
-    print(f"done in {result['wall_s']:.0f} s" + (f"; PARITY FAILED for {failed}" if failed else ""))
-    return 1 if failed else 0
+    problems = [f"parity failed for {failed}"] if failed else []
+    problems += [f"leg {f['leg']} raised {f['error']}" for f in result["failures"]]
+    if device == "cuda":  # a GPU run whose fast paths did not run is a failed run, whatever it measured
+        ran = [r for r in result["decode"] if r["leg"] != "torch"]
+        if any(r["attention_ran"] != "triton" for r in ran) or ("triton" in legs and not ran):
+            problems.append("triton attention did not run in a triton leg")
+        if "triton+graphs" in legs and not any(r["replays"] for r in ran if r["leg"] == "triton+graphs"):
+            problems.append("no CUDA graph replayed in the triton+graphs leg")
+    result["problems"] = problems
+    write()
+    print(f"done in {result['wall_s']:.0f} s" + (f"; FAILED: {problems}" if problems else ""), flush=True)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
