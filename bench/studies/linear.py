@@ -13,7 +13,8 @@ with its own weight, so the weights stream from memory as in a real step; and th
   torch-bf16 / onednn-bf16  torch and oneDNN with the weights and inputs in bfloat16 (onednn-bf16 skipped, with
             the reason, on a CPU whose oneDNN refuses bf16: no AVX-512 bw/vl/dq nor AVX-NE-CONVERT)
 
-Prints ms per step (every product once), best of --repeat, and chosen's speed against oneDNN's. ``--isa
+Prints ms per step (every product once), best of --repeat (at 1 thread the thread's CPU time, else the wall
+clock), and chosen's speed against oneDNN's. ``--isa
 avx2,avx512`` measures each ISA in its own process, our kernels built for it and oneDNN/MKL/ATen capped to it
 (``bench/studies/isa.py``), and prints them side by side.
 
@@ -120,15 +121,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("onednn-bf16 skipped: oneDNN refuses bf16 on this CPU (it needs AVX-512 bw/vl/dq or AVX-NE-CONVERT)")
 
+    # one thread: the thread's CPU time (all the work runs on it, and other processes on a shared machine do
+    # not count, as in bench.studies.step); more: the wall clock
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+
     def step_ms(layers: list, inputs: dict[int, torch.Tensor], r: int) -> float:
         used = [m for m, base in zip(layers, plain, strict=True) if base is not head or r <= args.head_rows]
         best = float("inf")
         with torch.inference_mode():
             for _ in range(args.repeat):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for layer in used:
                     layer(inputs[layer.in_features])
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, clock() - t0)
         return best * 1e3
 
     rows = []

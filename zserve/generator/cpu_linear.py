@@ -29,7 +29,12 @@ class PackedLinear(nn.Module):
     one (``kernel_choice.Route``, what ``kernel_tune`` measured fastest for this shape): each row count runs
     the candidate chosen for it, and only the forms of the weight those need are kept."""
 
-    def __init__(self, linear: nn.Linear, native: bool = True, route: kernel_choice.Route | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, native: bool = True, route: kernel_choice.Route | None = None,
+        forms: dict[str, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """``forms``: the packed weights of another ``PackedLinear`` of the same layer to share (the kernel's
+        variants on one ISA share one packing)."""
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -41,7 +46,8 @@ class PackedLinear(nn.Module):
         self._routes = [(limit, _runner(kind)) for limit, kind in zip(route.limits, route.kinds, strict=False)]
         self._last = _runner(route.kinds[-1])
         self.native = any(k.startswith(kernel_choice.NATIVE) for k in route.kinds)
-        self.forms = {form: _pack(weight, form) for form in {_form(k) for k in route.kinds}}
+        forms = forms or {}
+        self.forms = {f: forms[f] if f in forms else _pack(weight, f) for f in {_form(k) for k in route.kinds}}
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,14 @@ from zserve.gguf_cache import zserve_cache
 
 log = logging.getLogger("zserve.engine")
 
-BUDGET_S = 1.5  # measuring; packing the samples and the first runs take the rest of ~2 s
-_STREAM_BYTES = 32 << 20  # a few-row product reads its weights from memory in a real step: time over enough
+BUDGET_S = 1.2  # measuring; packing the samples and the first runs take the rest of ~2 s
+_STREAM_BYTES = 16 << 20  # a few-row product reads its weights from memory in a real step: time over enough
 # distinct weights that they do not stay in a core's L2 (and mostly not in L3)
 _FEW_ROWS = 16
 _MANY_FLOP = 200_000_000  # many rows: time a slice of outputs of about this many flops (~2-4 ms on one core)
 _GROUP = 96  # outputs in whole groups of panels of every variant (16 x 6, 8 x 12)
 _REPEATS = 3
+_VERSION = 2  # of how it measures: a cached choice made another way is measured again
 
 
 def candidates(weight: torch.Tensor) -> list[str]:
@@ -86,7 +87,7 @@ def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
     isa = c_build.isa()
     key = kernel_choice.cache_key(
         c_build._cpu_id(), native_linear.source(isa.name), torch.get_num_threads(),
-        [f"{s}@{buckets[s]}" for s in groups], [], f"{torch.__version__} {isa} {c_build.has_compiler()}",
+        [f"{s}@{buckets[s]}" for s in groups], [], f"{torch.__version__} {isa} {c_build.has_compiler()} {_VERSION}",
     )  # fmt: skip
     path = zserve_cache() / "kernels" / f"linear-choice-{key}.json"
     try:
@@ -99,9 +100,8 @@ def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
     timings = measure(groups, buckets, budget_s)
     routes = kernel_choice.plan(timings)
     ratios = kernel_choice.speedup(timings, routes)
-    log.info(
-        kernel_choice.summary(routes, ratios, cached=False) + f" (measured in {time.perf_counter() - started:.1f} s)"
-    )
+    took = time.perf_counter() - started
+    log.info("%s (measured in %.1f s)", kernel_choice.summary(routes, ratios, cached=False), took)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{id(routes)}.tmp")
@@ -125,20 +125,21 @@ def measure(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
     with torch.inference_mode():
         for shape, layers in groups.items():
             few = _streamed(layers)
-            packed_few = {name: _packed(few, name) for name in names[shape]}
+            packed_few = _packed(few, names[shape])
             timings[shape] = {}
             for rows in buckets[shape]:
                 sample, packed = few, packed_few
                 if rows > _FEW_ROWS:
                     sample = [_columns(layers[0], _MANY_FLOP // (2 * rows * layers[0].in_features))]
-                    packed = {name: _packed(sample, name) for name in names[shape]}
+                    packed = _packed(sample, names[shape])
                 x = torch.randn(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
                 want = sample[0](x)
                 timings[shape][rows] = {}
                 for name in names[shape]:
                     share = max(0.0, deadline - time.perf_counter()) / slots
                     slots -= 1
-                    timings[shape][rows][name] = _time(packed[name], x, want, share) if packed[name] else None
+                    runs = packed[name]
+                    timings[shape][rows][name] = _time(runs, x, want, share, deadline) if runs else None
     return timings
 
 
@@ -162,33 +163,50 @@ def _columns(linear: nn.Linear, outputs: int) -> nn.Linear:
     return cut
 
 
-def _packed(layers: list[nn.Linear], kind: str) -> list[Callable] | None:
-    try:
-        return [cpu_linear.PackedLinear(m, route=kernel_choice.Route((1,), (kind,))) for m in layers]
-    except (RuntimeError, ValueError, StopIteration) as e:
-        log.info("CPU linear candidate %s unavailable: %s", kind, e)
-        return None
+def _packed(layers: list[nn.Linear], names: list[str]) -> dict[str, list[Callable] | None]:
+    """Each candidate's runner for each layer, the candidates of one weight form sharing its packing."""
+    out: dict[str, list[Callable] | None] = {}
+    shared: list[dict[str, torch.Tensor]] = [{} for _ in layers]
+    for kind in names:
+        try:
+            runs = [cpu_linear.PackedLinear(m, route=kernel_choice.Route((1,), (kind,)), forms=forms)
+                    for m, forms in zip(layers, shared, strict=True)]  # fmt: skip
+        except (RuntimeError, ValueError, StopIteration) as e:
+            log.info("CPU linear candidate %s unavailable: %s", kind, e)
+            runs = None
+        for run, forms in zip(runs or [], shared, strict=False):
+            forms.update(run.forms)
+        out[kind] = runs
+    return out
 
 
-def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float) -> float | None:
-    """Seconds per product: best of 1 to ``_REPEATS`` passes within ``share`` after a first run that checks
-    the result; None where it raised or was wrong."""
-    kind = layers[0].route.kinds[0]
+def _clock() -> Callable[[], float]:
+    """At one thread the thread's CPU time: all the work runs on it, and what other processes of a busy
+    machine take from it does not count (measured here with 6x more runnable threads than cores, the wall
+    clock ranked the candidates at random); with more, the wall clock."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float, deadline: float) -> float | None:
+    """Seconds per product: best of 1 to ``_REPEATS`` passes within ``share`` (and the wall clock's
+    ``deadline``) after a first run that checks the result; None where it raised or was wrong."""
+    kind, clock = layers[0].route.kinds[0], _clock()
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         got = layers[0](x)
-        first = time.perf_counter() - t0
+        first = clock() - t0
         if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
             log.warning("CPU linear candidate %s gave wrong results: not chosen", kind)
             return None
         best, spent = math.inf, first
         for _ in range(_REPEATS):
-            if spent >= share and best < math.inf:  # at least one pass after the first run (oneDNN makes its
-                break  # primitive for a new shape there)
-            t0 = time.perf_counter()
+            # at least one pass after the first run (oneDNN makes its primitive for a new shape there)
+            if best < math.inf and (spent >= share or time.perf_counter() >= deadline):
+                break
+            t0 = clock()
             for layer in layers:
                 layer(x)
-            took = time.perf_counter() - t0
+            took = clock() - t0
             best, spent = min(best, took / len(layers)), spent + took
         return best
     except RuntimeError as e:
