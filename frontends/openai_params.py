@@ -11,6 +11,7 @@ import msgspec
 
 from zserve.errors import BadRequest
 from zserve.frontends import tool_calls
+from zserve.generator.schema_check import unenforceable
 from zserve.model import Model
 
 _json = msgspec.json.Encoder()
@@ -59,7 +60,14 @@ def structured(body: dict[str, Any]) -> dict[str, Any]:
     ``json_object`` / ``json_schema`` (the schema as JSON text, compiled by the engine)."""
     guided = body.get("guided_json")
     if guided is not None:
-        return {"json_schema": guided if isinstance(guided, str) else _json.encode(guided).decode()}
+        if isinstance(guided, str):
+            try:
+                _enforceable(msgspec.json.decode(guided), "guided_json")
+            except msgspec.DecodeError:
+                raise BadRequest("guided_json is not JSON", field="guided_json") from None
+            return {"json_schema": guided}
+        _enforceable(guided, "guided_json")
+        return {"json_schema": _json.encode(guided).decode()}
     fmt = body.get("response_format")
     if fmt is None:
         return {}
@@ -72,8 +80,16 @@ def structured(body: dict[str, Any]) -> dict[str, Any]:
         schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
         if not isinstance(schema, dict):
             raise BadRequest("response_format json_schema needs json_schema.schema, an object", field="response_format")
+        _enforceable(schema, "response_format")
         return {"json_schema": _json.encode(schema).decode()}
     raise BadRequest("response_format.type must be text, json_object or json_schema", field="response_format")
+
+
+def _enforceable(schema: Any, field: str) -> None:
+    """A schema the grammar cannot enforce is refused here, not accepted and left unenforced."""
+    why = unenforceable(schema)
+    if why is not None:
+        raise BadRequest(f"the JSON schema cannot be enforced: {why}", field=field)
 
 
 def logprobs_count(value: Any, field: str) -> int:
@@ -126,8 +142,13 @@ def tooling(body: dict[str, Any]) -> tuple[list[tool_calls.Function], str | tool
         tool_calls.check_tool_choice(body.get("tool_choice"), [])  # a choice other than none needs tools
         return None
     functions = tool_calls.check_tools(tools)
-    return functions, tool_calls.check_tool_choice(body.get("tool_choice"), functions), body.get(
-        "parallel_tool_calls") is not False  # fmt: skip
+    choice = tool_calls.check_tool_choice(body.get("tool_choice"), functions)
+    forced = [choice] if isinstance(choice, tool_calls.Function) else functions if choice == "required" else []
+    for f in forced:  # the grammar will enforce these schemas: each must be one it can
+        why = unenforceable(f.parameters)
+        if why is not None:
+            raise BadRequest(f"tool {f.name!r}: its parameters cannot be enforced: {why}", field="tools")
+    return functions, choice, body.get("parallel_tool_calls") is not False
 
 
 def tool_parser(model: Model) -> str:

@@ -16,7 +16,7 @@ tokens from the streamed usage; reported p50 and mean over the mode's requests, 
 
 Then ``--json-object`` non-streamed ``json_object`` generations at temperature 1 (32 in flight): how many
 finished ``stop`` and parse as a JSON object, how many were cut by ``max_tokens``. And the grammar's compile
-time per new schema, in process on the same tokenizer (``grammar.Grammars``, as the engine compiles).
+time per new schema, on the same tokenizer (``GrammarService``, as the engine compiles: in its child process).
 
 ``--vllm`` adds vLLM's CPU build as a peer in the same run, after zserve's deployment has stopped (one server at
 a time on the machine): the same converted SmolLM2 folder, the same modes, client, concurrency and rounds, with
@@ -234,11 +234,11 @@ def compile_times(new_schemas: int) -> dict:
     """ms to compile each of ``new_schemas`` distinct schemas (property names varied), then a cached one."""
     from transformers import AutoTokenizer
 
-    from zserve.generator import grammar
+    from zserve.generator.grammar_compile import GrammarService
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder())
     t0 = time.perf_counter()
-    grammars = grammar.Grammars(tokenizer, len(tokenizer))
+    grammars = GrammarService(tokenizer, len(tokenizer))
     setup_ms = (time.perf_counter() - t0) * 1000
     times = []
     for i in range(new_schemas):

@@ -2,7 +2,9 @@
 
 Three threads, one job each, connected by in-process queues only:
   * the link's thread (``WorkerLink.serve``) owns the DEALER: it decodes and tokenises each admitted
-    sequence (a Batch of one) and forwards aborts;
+    sequence (a Batch of one) and forwards aborts; a structured one waits for its grammar (compiled by
+    ``grammar_compile.GrammarService`` in a child process, under a budget) outside the core, and joins it
+    from the service's thread when the grammar is ready: no compile ever holds up admission;
   * the step thread owns the engine core: it adds and aborts sequences between steps and runs the steps
     back to back while there is work. It touches no socket and does no text work, so on a GPU the device
     never waits for Python string handling;
@@ -30,10 +32,12 @@ import msgspec
 import zmq
 
 from zserve import payload
+from zserve.errors import BadRequest
 from zserve.frames import pack
 from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
 from zserve.generator.detokenize import TextStream
 from zserve.generator.generator import PreparedPrompt, generator_of
+from zserve.generator.grammar_compile import Ticket
 from zserve.generator.step_core import TokenOutput
 from zserve.protocol import Batch, Codec, Status, StepOutput
 from zserve.stages.items import Failure
@@ -115,6 +119,10 @@ class GenerationRunner:
         link.free_kv_blocks = self.core.free_blocks
         self.core.blocks.report_events()  # from now on, every step reports what its prefix cache changed
         link.cache_snapshot = self._cache_snapshot
+        # started before the engine registers: the tokenizer's info for grammars is built now, not on a request
+        self.grammars = self.generator.start_grammars()
+        self._compiling: dict[int, Ticket | None] = {}  # batch id -> its grammar's ticket (None: being submitted)
+        self._compiling_lock = threading.Lock()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # -> output thread
         self._ctx = zmq.Context()  # the output thread's own: the link's is terminated when serve returns
@@ -149,12 +157,51 @@ class GenerationRunner:
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
         else:
-            self.inbox.put(("add", Admitted(batch_id, stream, decoded, prompt)))
+            admitted = Admitted(batch_id, stream, decoded, prompt)
+            if prompt.structured and self.grammars is not None:
+                self._compile(admitted)
+            else:
+                self.inbox.put(("add", admitted))
+
+    def _compile(self, admitted: Admitted) -> None:
+        """Queue the sequence's schema; it joins the core when compiled (at once from the cache)."""
+        batch_id = admitted.batch_id
+
+        def on_done(compiled: Any, error: BadRequest | None) -> None:
+            with self._compiling_lock:
+                if batch_id not in self._compiling:
+                    return  # aborted meanwhile
+                del self._compiling[batch_id]
+            if error is not None:
+                self.outbox.put(("fail", batch_id, Failure(Status.BAD_REQUEST, error.message, error.field)))
+            else:
+                admitted.prompt = admitted.prompt.with_grammar(compiled)
+                self.inbox.put(("add", admitted))
+
+        with self._compiling_lock:
+            self._compiling[batch_id] = None
+        ticket = self.grammars.submit(admitted.prompt.schema, "response_format", on_done)
+        with self._compiling_lock:
+            if batch_id in self._compiling:
+                self._compiling[batch_id] = ticket
+            elif ticket is not None:  # aborted while it was being submitted
+                ticket.cancel()
+
+    def _cancel_compiles(self, batch_ids: list[int] | None) -> None:
+        """Compiles nobody waits for any more stop (a cancelled one that no other request shares is killed)."""
+        with self._compiling_lock:
+            ids = list(self._compiling) if batch_ids is None else [b for b in batch_ids if b in self._compiling]
+            tickets = [self._compiling.pop(b) for b in ids]
+        for ticket in tickets:
+            if ticket is not None:
+                ticket.cancel()
 
     def abort(self, batch_ids: list[int]) -> None:
+        self._cancel_compiles(batch_ids)
         self.inbox.put(("abort", batch_ids))
 
     def reset(self) -> None:
+        self._cancel_compiles(None)
         self.inbox.put(("reset", None))
 
     def close(self) -> None:

@@ -63,12 +63,13 @@ def test_json_object_is_valid_json_whenever_it_finishes(engine):
 
 @needs_xgrammar
 def test_a_bad_schema_is_a_bad_request_naming_response_format(engine):
-    with pytest.raises(BadRequest) as info:
-        engine.prepare(GenerateRequest(prompt="x", json_schema='{"type": "nonsense"}'))
+    with pytest.raises(BadRequest) as info:  # the compiler's refusal
+        engine.generate([GenerateRequest(prompt="x", json_schema='{"type": "nonsense"}')])
     assert info.value.field == "response_format"
-    with pytest.raises(BadRequest) as info:
-        engine.prepare(GenerateRequest(prompt="x", json_schema="{not json"))
-    assert info.value.field == "response_format"
+    for schema in ("{not json", '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'):
+        with pytest.raises(BadRequest) as info:  # refused before any compile
+            engine.prepare(GenerateRequest(prompt="x", json_schema=schema))
+        assert info.value.field == "response_format"
 
 
 def test_without_xgrammar_a_structured_request_is_a_bad_request_and_a_plain_one_is_not(engine, monkeypatch):

@@ -15,6 +15,8 @@ The interface of a generative handler (a ``zserve.Model`` with ``generative = Tr
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,8 +29,10 @@ from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, 
 from zserve.generator import cpu_linear, grammar
 from zserve.generator.attention import cache_dtype
 from zserve.generator.detokenize import TextStream
+from zserve.generator.grammar_compile import CompileBudget, GrammarService
 from zserve.generator.llama import own_model
 from zserve.generator.sampler import TokenLogprobs
+from zserve.generator.schema_check import unenforceable
 from zserve.generator.sequence import SamplingParams
 from zserve.generator.step_core import StepCore, head_dim, kv_heads
 
@@ -41,11 +45,18 @@ _GPU_MEMORY_FRACTION = 0.9
 
 @dataclass(slots=True)
 class PreparedPrompt:
-    """A request ready for the engine core: token ids, sampling parameters, stop strings."""
+    """A request ready for the engine core: token ids, sampling parameters, stop strings. A structured one
+    (``structured``) needs its grammar compiled (``schema``; None: any JSON object) into ``params.grammar``
+    before it joins the core."""
 
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str]
+    structured: bool = False
+    schema: str | None = None
+
+    def with_grammar(self, compiled: Any) -> PreparedPrompt:
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, grammar=compiled))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,9 @@ class GeneratorOptions:
     cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
     model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
     cuda_graphs: bool = True  # decode-only steps replay CUDA graphs where they apply (cuda_graphs.py)
+    # what one schema's grammar may cost to compile, and what the compiled grammars' cache keeps
+    # (grammar_compile.py): past either budget the request is refused, naming its field
+    grammar: CompileBudget = dataclasses.field(default_factory=CompileBudget)
 
 
 class Generator:
@@ -99,7 +113,8 @@ class Generator:
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._token_texts: dict[int, str] = {}  # logprobs' token strings (the output thread's)
-        self._grammars: Any = None  # grammar.Grammars, made on the first structured request
+        self._grammars: GrammarService | None = None  # start_grammars(): at engine start, or on first use
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -142,9 +157,23 @@ class Generator:
             raise
 
     def close(self) -> None:
-        """Stop the tensor parallel group's other ranks (nothing to do for a single process)."""
+        """Stop the grammar compiler and the tensor parallel group's other ranks."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+
+    def start_grammars(self) -> GrammarService | None:
+        """The grammar compiler (None without xgrammar), started now if it is not: an engine calls this at
+        start, so the tokenizer's info (~0.9 s on a 49k vocabulary, partly holding the interpreter lock) is
+        never built on a request's path."""
+        if not grammar.available():
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                budget = self.options.grammar
+                self._grammars = GrammarService(self.tokenizer, self.core.sampler.vocab_size, budget)
+            return self._grammars
 
     def warmup(self) -> None:
         self.generate([GenerateRequest(prompt="warm up", max_new_tokens=2, ignore_eos=True)])
@@ -191,21 +220,28 @@ class Generator:
             min_new_tokens=request.min_new_tokens, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
             logit_bias=self._logit_bias(request.logit_bias),
-            logprobs=-1 if request.logprobs is None else request.logprobs, grammar=self._grammar(request),
+            logprobs=-1 if request.logprobs is None else request.logprobs,
             prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
         )  # fmt: skip
-        return PreparedPrompt(ids, params, list(request.stop))
+        structured = request.json_object or request.json_schema is not None
+        if structured:
+            self._check_structured(request.json_schema)
+        return PreparedPrompt(ids, params, list(request.stop), structured, request.json_schema)
 
-    def _grammar(self, request: GenerateRequest) -> Any:
-        """The compiled grammar of a structured request (compiled here, on the caller's thread, and cached)."""
-        if not request.json_object and request.json_schema is None:
-            return None
-        if self._grammars is None:
-            if not grammar.available():
-                raise BadRequest("structured output needs xgrammar on the engine: pip install 'zserve[structured]'",
-                                 field="response_format")  # fmt: skip
-            self._grammars = grammar.Grammars(self.tokenizer, self.core.sampler.vocab_size)
-        return self._grammars.compile(request.json_schema)
+    def _check_structured(self, schema: str | None) -> None:
+        """What can be refused without compiling: no xgrammar, a schema that is not JSON, or one with what
+        the grammar cannot enforce (the frontends check the same; direct clients reach only this)."""
+        if not grammar.available():
+            raise BadRequest("structured output needs xgrammar on the engine: pip install 'zserve[structured]'",
+                             field="response_format")  # fmt: skip
+        if schema is None:
+            return
+        try:
+            why = unenforceable(msgspec.json.decode(schema))
+        except msgspec.DecodeError:
+            raise BadRequest("the JSON schema is not JSON", field="response_format") from None
+        if why is not None:
+            raise BadRequest(f"the JSON schema cannot be enforced: {why}", field="response_format")
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
         vocab = self.core.sampler.vocab_size
@@ -247,6 +283,9 @@ class Generator:
         """One response per request, generated together in this process (the core must be idle: it is not
         shared with a runner). ``on_delta(index, text)`` streams text as it is produced."""
         prepared = [self.prepare(r) for r in requests]
+        for i, p in enumerate(prepared):  # here the caller waits for its own compiles (within their budget)
+            if p.structured:
+                prepared[i] = p.with_grammar(self.start_grammars().compile(p.schema))
         streams = [self.text_stream(p) for p in prepared]
         lengths = [0] * len(prepared)
         logprobs: list[list[TokenLogprob]] = [[] for _ in prepared]

@@ -5,26 +5,19 @@ as they are (a compiled grammar cached per schema, one matcher per sequence fill
 bitmask, ``apply_token_bitmask_inplace`` on CPU and CUDA logits, rows chosen by ``indices``), and vLLM and
 SGLang both default to it. (Measured on this machine; see docs/openai.md.)
 
-Where the work happens: a schema is compiled when its request is prepared, on the engine's link thread
-(``Generator.prepare``), never on the step thread, and compiled grammars are cached by schema text;
-in the step, only the rows with a grammar fill their bitmask row (a C++ call each) and are masked in one
-call; after sampling each such row's matcher accepts its token. A sequence whose grammar is complete ends
-with "stop".
+Where the work happens: a schema is compiled in a child process under a time and memory budget, off the
+engine's admission path (``grammar_compile.py``: the request waits outside the scheduler until its grammar is
+ready), and compiled grammars are cached by schema text; what the grammar cannot enforce is refused before
+(``schema_check.py``). In the step, only the rows with a grammar fill their bitmask row (a C++ call each)
+and are masked in one call; after sampling each such row's matcher accepts its token. A sequence whose
+grammar is complete ends with "stop".
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
-
-from zserve.errors import BadRequest
-
-_ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
-_CACHE_SIZE = 256  # compiled grammars kept (a schema's compilation is milliseconds to a second)
 
 
 def available() -> bool:
@@ -33,41 +26,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-class Grammars:
-    """Compiles JSON grammars for one tokenizer (cached by schema text) and makes matchers."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()  # the link thread compiles, in-process generate too
-
-    def compile(self, schema: str | None) -> Any:
-        """A compiled grammar for one JSON value matching ``schema`` (JSON text), or any JSON object
-        (None). A schema xgrammar cannot compile is a ``BadRequest`` naming ``response_format``."""
-        key = "" if schema is None else schema
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        try:
-            # json_object: OpenAI's "an object", any keys (the builtin JSON grammar would allow any value)
-            text = _ANY_OBJECT if schema is None else schema
-            json.loads(text)
-            compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            raise BadRequest(f"the JSON schema cannot be compiled: {exc}", field="response_format") from None
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
 
 
 def matcher(compiled: Any) -> Any:

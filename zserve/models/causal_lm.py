@@ -22,7 +22,9 @@ kernel; "onednn": prepacked for oneDNN; "torch": as loaded),
 ``cuda_graphs`` (on CUDA, decode-only steps replay graphs captured at start; see docs/generation.md),
 and ``tool_parser`` (how /v1/chat/completions reads the model's own tool calls under ``tool_choice: auto``:
 "hermes" for ``<tool_call>{...}</tool_call>``, "llama3" for Llama 3's JSON calls, "auto": from the chat
-template; see docs/openai.md).
+template; see docs/openai.md), and the budget of one schema's grammar (``grammar_compile_s``, default 10,
+``grammar_memory_mb``, default 1024: past either the request is a 400 naming ``response_format`` or ``tools``)
+and of the compiled grammars' cache (``grammar_cache_mb``, default 256).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class CausalLM(Model):
         model_impl: str = "auto",
         tool_parser: str = "auto",
         cuda_graphs: bool = True,
+        grammar_compile_s: float = 10.0,
+        grammar_memory_mb: int = 1024,
+        grammar_cache_mb: int = 256,
     ) -> None:
         super().__init__(
             path=path, gguf_file=gguf_file, dtype=dtype, kv_cache_bytes=kv_cache_bytes, num_blocks=num_blocks,
@@ -65,6 +70,7 @@ class CausalLM(Model):
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
             tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
             model_impl=model_impl, tool_parser=tool_parser, cuda_graphs=cuda_graphs,
+            grammar_compile_s=grammar_compile_s, grammar_memory_mb=grammar_memory_mb, grammar_cache_mb=grammar_cache_mb,
         )  # fmt: skip
         if not path:
             raise ValueError("CausalLM needs the `path` option (a local folder, a hub name or package:NAME)")
@@ -80,6 +86,10 @@ class CausalLM(Model):
             raise ValueError(f"model_impl {model_impl!r} must be auto, zserve or transformers")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, not {cuda_graphs!r}")
+        for name, value in (("grammar_compile_s", grammar_compile_s), ("grammar_memory_mb", grammar_memory_mb),
+                            ("grammar_cache_mb", grammar_cache_mb)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, not {value!r}")
         if tool_parser not in ("auto", "hermes", "llama3"):
             raise ValueError(f"tool_parser {tool_parser!r} must be auto, hermes or llama3")
         self.path = path
@@ -91,6 +101,7 @@ class CausalLM(Model):
 
     def setup(self, device: str) -> None:
         from zserve.generator.generator import Generator, GeneratorOptions
+        from zserve.generator.grammar_compile import CompileBudget
 
         o = self.options
         options = GeneratorOptions(
@@ -100,6 +111,8 @@ class CausalLM(Model):
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
             cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]), model_impl=str(o["model_impl"]),
             cuda_graphs=bool(o["cuda_graphs"]),
+            grammar=CompileBudget(time_s=float(o["grammar_compile_s"]), memory_bytes=int(o["grammar_memory_mb"]) << 20,
+                                  cache_bytes=int(o["grammar_cache_mb"]) << 20),
         )  # fmt: skip
         self.generator = Generator.load(
             self.path, device=device, dtype=self.dtype, gguf_file=self.gguf_file, options=options
