@@ -96,3 +96,19 @@ bench-embeddings: bench-env bench-infinity-env
 
 clean:
 	rm -rf $(VENV) .venv-newest .venv-floors build *.egg-info .pytest_cache .ruff_cache
+
+# The wheels the GPU image lacks, for bench/gpu/device_run.sh (bench/gpu/README.md): pyzmq and msgspec at this
+# machine's versions, as CPython $(GPU_PYTHON) manylinux x86-64 binaries, into $(GPU_WHEELS) (ignored; carried to the
+# device beside the working tree). `make gpu-wheels GPU_PYTHON=3.11 GPU_WHEELS=dir` fetches them for another Python
+# (the CPU stand-in for the image, tests/unit/test_gpu_image_standin.py).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= .whl
+GPU_WHEEL_PINS := msgspec==0.23.0 pyzmq==27.3.0
+
+.PHONY: gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_26_x86_64 \
+		--platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)
