@@ -74,9 +74,9 @@ if [ "$DRY" = 1 ]; then
     part embed_dtype 300 "$PY" -m bench.gpu.embed_dtype --device cpu --small --batch 2 --seq 8 --iters 1 \
         --out "$OUT/embed_dtype.json"
 else
-    part smoke 100 "$PY" -m bench.gpu.smoke --out "$OUT/smoke.json"
-    part gen_check 210 "$PY" -m bench.gpu.gen_check --out "$OUT/gen_check.json"
-    part embed_dtype 60 "$PY" -m bench.gpu.embed_dtype --iters 10 --out "$OUT/embed_dtype.json"
+    part smoke 90 "$PY" -m bench.gpu.smoke --out "$OUT/smoke.json"
+    part gen_check 200 "$PY" -m bench.gpu.gen_check --out "$OUT/gen_check.json"
+    part embed_dtype 50 "$PY" -m bench.gpu.embed_dtype --iters 10 --out "$OUT/embed_dtype.json"
 fi
 
 echo "device_run: $((SECONDS - started)) s; ${#failed[@]} failed${failed[*]:+: ${failed[*]}}"

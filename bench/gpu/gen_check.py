@@ -79,12 +79,12 @@ def build(prefix: str, shape: dict, dtype: torch.dtype, device: str):
     return model.to(dtype).eval()
 
 
-def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool, graphs: bool):
+def gpu_path_core(model, num_blocks: int, max_batched_tokens: int, dry: bool, graphs: bool, max_running: int = 64):
     from zserve.generator.attention import Uploader
     from zserve.generator.step_core import StepCore
 
     core = StepCore(model, num_blocks=num_blocks, block_size=16, max_batched_tokens=max_batched_tokens,
-                    max_running=8 if dry else 256, batched_decode=True, native_decode=False,
+                    max_running=8 if dry else max_running, batched_decode=True, native_decode=False,
                     cuda_graphs=graphs)  # fmt: skip
     if dry:
         core.upload = Uploader(core.device, pack=True)  # what a device runs
@@ -146,7 +146,7 @@ def decode_steps(name: str, prefix: str, shape: dict, device: str, dtype, batche
     c = model.config
     kv_per_token = 2 * c.num_hidden_layers * kv_heads(c) * head_dim(c) * torch.tensor([], dtype=dtype).element_size()
     per_seq_blocks = -(-(prompt + steps + 8) // 16) + 1
-    core = gpu_path_core(model, per_seq_blocks * max(batches), max(2048, prompt), dry, graphs)
+    core = gpu_path_core(model, per_seq_blocks * max(batches), max(2048, prompt), dry, graphs, max(batches))
     made = core.graphs  # the core drops them if their first replay fails its check
     rows = []
     for b in batches:
