@@ -9,7 +9,7 @@ carries no block hashes or that has one engine with credit, takes ``WorkerPool.b
 from __future__ import annotations
 
 from zserve.batching.routing import LEAST_LOADED, MATCH, SPILL, Candidate, PrefixRouter
-from zserve.batching.workers import Worker, WorkerPool
+from zserve.batching.workers import InFlightBatch, Worker, WorkerPool
 from zserve.broker.requests import RequestTable
 from zserve.protocol import EngineRouting, Hello, StepOutput
 
@@ -21,11 +21,19 @@ class Routes:
         self.requests = requests
         self._names: dict[bytes, str] = {}  # worker id -> the name its counters go under (without the pid)
         pool.on_removed = self.drop
+        pool.on_finished = self.finished
 
     def drop(self, worker_id: bytes) -> None:
         self._names.pop(worker_id, None)
         for router in self.routers.values():
             router.index.drop(worker_id)
+            router.inflight.drop(worker_id)
+
+    def finished(self, batch: InFlightBatch) -> None:
+        router = self.routers.get(batch.model)
+        if router is not None:
+            for item_id in batch.item_ids:
+                router.inflight.remove(item_id)
 
     def on_hello(self, worker_id: bytes, msg: Hello) -> None:
         """After the pool registered the engine: its snapshot replaces what was known of it."""
@@ -51,11 +59,15 @@ class Routes:
         candidates = [Candidate(fallback.worker_id, len(fallback.in_flight))]
         if hashes:  # the other engines that can score: those holding the first block, with a free slot
             workers = self.pool.workers
-            for engine in router.index.holders(hashes[0]):
+            seen = {fallback.worker_id}
+            for engine in (*router.index.holders(hashes[0]), *router.inflight.engines_at(hashes[0])):
                 w = workers.get(engine)
-                if w is not None and w is not fallback and w.free_credits > 0:
+                if w is not None and engine not in seen and w.free_credits > 0:
+                    seen.add(engine)
                     candidates.append(Candidate(engine, len(w.in_flight)))
         decision = router.choose(hashes, candidates)
+        if hashes:
+            router.inflight.add(item_id, decision.engine, hashes)
         chosen = self.pool.workers[decision.engine]
         name = self._names.get(decision.engine)
         if name is None:  # counted by its name without the pid (``name:pid``): its counters survive its restarts

@@ -3,7 +3,16 @@ generative sequences by the Hellos' snapshots and the StepOutputs' deltas, under
 
 from __future__ import annotations
 
-from zserve.batching.routing import LEAST_LOADED, MATCH, MIN_ENTRIES, SPILL, Candidate, PrefixIndex, PrefixRouter
+from zserve.batching.routing import (
+    LEAST_LOADED,
+    MATCH,
+    MIN_ENTRIES,
+    SPILL,
+    Candidate,
+    InFlightPrompts,
+    PrefixIndex,
+    PrefixRouter,
+)
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
 from zserve.protocol import Batch, HealthQuery, Hello, StepOutput, Submit, Submits
@@ -119,12 +128,22 @@ def hello(core: BrokerCore, worker: bytes, hashes: list[int], model: str = "lm",
     core.flush()
 
 
+SENT: dict[int, tuple[bytes, int]] = {}  # req_id -> (engine, batch id) of the last submit()
+
+
 def submit(core: BrokerCore, req_id: int, hashes: list[int], model: str = "lm", now: float = 0.0) -> bytes:
     """Submit one sequence and dispatch it: the engine it went to."""
     core.on_client(b"cl", Submits([Submit(req_id, model, block_hashes=hashes)], [1]), [b"{}"], now)
     core.tick(now)
     [send] = [w for w in core.flush()[1] if isinstance(w.header, Batch)]
+    SENT[req_id] = (send.worker_id, send.header.batch_id)
     return send.worker_id
+
+
+def finish(core: BrokerCore, req_id: int, now: float) -> None:
+    worker, batch_id = SENT[req_id]
+    core.on_out(StepOutput(worker.decode(), [batch_id], [""], [1], [True], [0], [""], [1]), [b"{}"], now)
+    core.flush()
 
 
 def deltas(worker: bytes, stored: list[int], evicted: list[int]) -> StepOutput:
@@ -144,11 +163,19 @@ def test_the_broker_routes_by_the_hellos_snapshots_and_the_step_deltas():
     hello(core, B, [11, 12])  # a restarted broker learns B's cache from its Hello
     assert submit(core, 1, [11, 12, 13]) == B
     assert submit(core, 2, [21, 22]) == A  # held nowhere: the least loaded
-    core.on_out(deltas(A, [21, 22], []), [], 0.1)
+    finish(core, 1, 0.05)  # B runs nothing now, A one
+    # A is computing [21, 22] (no step message yet): the next prompt starting so goes there, not to idle B
     assert submit(core, 3, [21, 22, 23], now=0.1) == A
-    core.on_out(deltas(A, [], [21, 22]), [], 0.2)  # evicted: A holds it no more
-    assert submit(core, 4, [21], now=0.2) == B  # the least loaded again (A runs 2, B 1)
-    assert routing(core) == {"a": (5, 2, 1, 0, 1), "b": (4, 2, 1, 0, 1)}
+    core.on_out(deltas(A, [21, 22, 23], []), [], 0.2)  # A's steps report what it allocated
+    finish(core, 2, 0.2)
+    finish(core, 3, 0.2)
+    assert submit(core, 4, [21, 22, 23, 24], now=0.3) == A  # held: reported, nothing in flight any more
+    finish(core, 4, 0.3)
+    core.on_out(deltas(A, [], [23, 22, 21]), [], 0.4)  # evicted: A holds it no more
+    assert core.routes.routers["lm"].index.matches([21, 22], [A, B]) == {A: 0, B: 0}
+    assert len(core.routes.routers["lm"].inflight) == 0
+    submit(core, 5, [21], now=0.5)  # held nowhere: by load
+    assert routing(core) == {"a": (9, 5, 2, 0, 1), "b": (4, 2, 1, 0, 1)}
 
 
 def test_a_lost_engines_entries_go_at_once_and_its_sequences_are_redispatched():
@@ -164,6 +191,24 @@ def test_a_lost_engines_entries_go_at_once_and_its_sequences_are_redispatched():
     assert again.worker_id == A  # the sequence went again, to the engine left
     index = core.routes.routers["lm"].index
     assert index.matches([11, 12], [B]) == {B: 0} and len(index) == 0
+    # what B was computing went with it; the re-dispatched sequence is A's now
+    assert core.routes.routers["lm"].inflight.matches([11, 12], [A, B]) == {A: 2, B: 0}
+
+
+def test_in_flight_prompts_count_each_sequence_and_go_with_it():
+    inflight = InFlightPrompts()
+    inflight.add(1, A, [1, 2, 3])
+    inflight.add(2, A, [1, 2])
+    inflight.add(3, B, [1])
+    assert inflight.matches([1, 2, 3, 4], [A, B, C]) == {A: 3, B: 1, C: 0}
+    assert set(inflight.engines_at(1)) == {A, B}
+    inflight.remove(1)
+    assert inflight.matches([1, 2, 3], [A]) == {A: 2}  # sequence 2 still computes [1, 2]
+    inflight.add(2, B, [1, 2])  # re-dispatched to B
+    assert inflight.matches([1, 2], [A, B]) == {A: 0, B: 2} and set(inflight.engines_at(1)) == {B}
+    inflight.drop(B)
+    assert len(inflight) == 0 and list(inflight.engines_at(1)) == []
+    inflight.remove(99)  # unknown: nothing to do
 
 
 def test_a_model_with_one_engine_is_not_routed():

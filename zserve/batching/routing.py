@@ -7,6 +7,10 @@ broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``ma
 entries here (its KV pool cannot cache more; past it, after lost deltas, its oldest entries go), and a lost
 engine's entries go at once (``drop``).
 
+The broker adds what it routed and is not finished yet (``InFlightPrompts``): an engine reports the blocks it
+allocated only after the step that allocated them, so without it the requests that arrive during a prefill
+would not find the prefix being computed.
+
 The policy, per request with prompt blocks ``h_1..h_n`` (SGLang's router and vLLM production-stack's load-aware
 router do the same in their own units):
   * each engine with a free slot scores the leading blocks of the prompt it holds;
@@ -21,7 +25,7 @@ nothing at all for a model with one engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 MATCH, SPILL, LEAST_LOADED = "match", "spill", "least_loaded"
@@ -120,24 +124,12 @@ class PrefixIndex:
         first = self._holders.get(hashes[0], 0) if hashes else 0
         if not first:
             return matched
-        n = len(hashes)
         slots = self._slots
         for engine in matched:
             slot = slots.get(engine)
             if slot is None or not first >> slot & 1:
                 continue
-            held = self._held[engine]
-            if hashes[-1] in held:
-                matched[engine] = n
-                continue
-            lo, hi = 1, n  # hashes[lo - 1] is held, hashes[hi - 1] is not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if hashes[mid - 1] in held:
-                    lo = mid
-                else:
-                    hi = mid
-            matched[engine] = lo
+            matched[engine] = _leading(hashes, self._held[engine])
         return matched
 
     def __len__(self) -> int:
@@ -146,6 +138,88 @@ class PrefixIndex:
 
     def holds(self, engine: bytes, h: int) -> bool:
         return h in self._held.get(engine, ())
+
+
+class InFlightPrompts:
+    """The prompt blocks of the sequences routed to each engine and not finished yet: what an engine is computing
+    now, before its step messages report it (an engine reports the blocks it allocated after the step that
+    allocated them, and a prefill of hundreds of tokens is seconds on a CPU). Without it, the later turns of a
+    group that arrive during its first turn's prefill find nothing and go elsewhere. NVIDIA Dynamo's router keeps
+    the same. Bounded by the sequences in flight; gone when they finish or their engine goes."""
+
+    def __init__(self) -> None:
+        self._counts: dict[bytes, dict[int, int]] = {}  # engine -> hash -> its sequences in flight with it
+        self._first: dict[int, dict[bytes, int]] = {}  # a prompt's first hash -> engine -> sequences
+        self._routed: dict[int, tuple[bytes, Sequence[int]]] = {}  # item id -> (engine, its hashes)
+
+    def add(self, item_id: int, engine: bytes, hashes: Sequence[int]) -> None:
+        self.remove(item_id)  # routed again (re-dispatched after its engine was lost)
+        self._routed[item_id] = (engine, hashes)
+        counts = self._counts.setdefault(engine, {})
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
+        first = self._first.setdefault(hashes[0], {})
+        first[engine] = first.get(engine, 0) + 1
+
+    def remove(self, item_id: int) -> None:
+        routed = self._routed.pop(item_id, None)
+        if routed is None:
+            return
+        engine, hashes = routed
+        counts = self._counts[engine]
+        for h in hashes:
+            n = counts[h] - 1
+            if n:
+                counts[h] = n
+            else:
+                del counts[h]
+        if not counts:
+            del self._counts[engine]
+        first = self._first[hashes[0]]
+        if first[engine] > 1:
+            first[engine] -= 1
+        else:
+            del first[engine]
+            if not first:
+                del self._first[hashes[0]]
+
+    def drop(self, engine: bytes) -> None:
+        """The engine is gone: so is what it was computing."""
+        for item_id in [i for i, (e, _) in self._routed.items() if e == engine]:
+            self.remove(item_id)
+
+    def engines_at(self, h: int) -> Iterable[bytes]:
+        """The engines computing a prompt whose first block is ``h``."""
+        return self._first.get(h, {}).keys()
+
+    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
+        """As ``PrefixIndex.matches``, over the prompts in flight (a union of chains: a prefix of each)."""
+        matched = dict.fromkeys(engines, 0)
+        first = self._first.get(hashes[0]) if hashes else None
+        if not first:
+            return matched
+        for engine in matched:
+            if engine in first:
+                matched[engine] = _leading(hashes, self._counts[engine])
+        return matched
+
+    def __len__(self) -> int:
+        return len(self._routed)
+
+
+def _leading(hashes: Sequence[int], held: Container[int]) -> int:
+    """How many leading ``hashes`` are in ``held``, whose chains are held as prefixes (binary search)."""
+    n = len(hashes)
+    if hashes[-1] in held:
+        return n
+    lo, hi = 1, n  # hashes[lo - 1] is held (the caller checked the first), hashes[hi - 1] is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(slots=True)
@@ -178,6 +252,7 @@ class PrefixRouter:
 
     def __init__(self, spill_ratio: float = 1.5, spill_slack: int = 2) -> None:
         self.index = PrefixIndex()
+        self.inflight = InFlightPrompts()
         self.spill_ratio = spill_ratio
         self.spill_slack = spill_slack
         self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
@@ -187,9 +262,9 @@ class PrefixRouter:
         loaded first, as ``WorkerPool.best`` picks it; the others in any order)."""
         least = candidates[0]
         if len(candidates) == 1 or not hashes:  # no choice to make: say whether it holds the prompt anyway
-            matched = self.index.matches(hashes, [least.engine])[least.engine]
+            matched = self._matches(hashes, [least.engine])[least.engine]
             return Decision(least.engine, MATCH if matched else LEAST_LOADED, matched)
-        matched = self.index.matches(hashes, (c.engine for c in candidates))
+        matched = self._matches(hashes, [c.engine for c in candidates])
         best = least
         for c in candidates:  # the most blocks; among those, the fewest running sequences
             m, b = matched[c.engine], matched[best.engine]
@@ -200,6 +275,14 @@ class PrefixRouter:
         if best.running > self.spill_ratio * least.running + self.spill_slack:
             return Decision(least.engine, SPILL, matched[least.engine])
         return Decision(best.engine, MATCH, matched[best.engine])
+
+    def _matches(self, hashes: Sequence[int], engines: list[bytes]) -> dict[bytes, int]:
+        """Leading blocks held (reported) or being computed (in flight), per engine."""
+        matched = self.index.matches(hashes, engines)
+        for engine, n in self.inflight.matches(hashes, engines).items():
+            if n > matched[engine]:
+                matched[engine] = n
+        return matched
 
     def count(self, engine_name: str, decision: Decision, requested: int) -> None:
         counters = self.counters.get(engine_name)

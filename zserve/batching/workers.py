@@ -55,6 +55,7 @@ class WorkerPool:
         self._batches: dict[int, InFlightBatch] = {}
         # told of every worker that leaves the pool (lost, restarted, left): the routers drop its cache entries
         self.on_removed: Callable[[bytes], None] | None = None
+        self.on_finished: Callable[[InFlightBatch], None] | None = None  # and of every batch finished
 
     def register(
         self,
@@ -134,6 +135,8 @@ class WorkerPool:
             worker = self.workers.get(batch.worker_id)
             if worker is not None:
                 worker.in_flight.pop(batch_id, None)
+            if self.on_finished is not None:
+                self.on_finished(batch)
         return batch
 
     def progressed(self, worker_id: bytes, now: float) -> None:
