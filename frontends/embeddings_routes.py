@@ -18,10 +18,10 @@ import msgspec
 import numpy as np
 
 from zserve.client import AsyncClient
+from zserve.client.aio import gather_or_cancel
 from zserve.errors import BadRequest
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, decode_body
-from zserve.frontends.fanout import gather_or_cancel
 from zserve.frontends.limits import Limits
 from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
 from zserve.model import Model

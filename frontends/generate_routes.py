@@ -20,6 +20,7 @@ import falcon.asgi
 import msgspec
 
 from zserve.client import AsyncClient, AsyncGenerationStream
+from zserve.client.aio import gather_or_cancel
 from zserve.errors import BadRequest, ZserveError
 from zserve.frontends import metrics, openai_logprobs, openai_params, tool_calls
 from zserve.frontends.api_types import (
@@ -43,7 +44,6 @@ from zserve.frontends.api_types import (
     Usage,
     decode_body,
 )
-from zserve.frontends.fanout import gather_or_cancel
 from zserve.frontends.limits import Limits
 from zserve.frontends.resources import (
     RequestError,

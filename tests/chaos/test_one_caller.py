@@ -16,6 +16,7 @@ Short in CI; ZSERVE_SLOW=1 measures each phase for longer.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -27,11 +28,14 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
+from cluster import Cluster
 from deployment import Deployment, free_port, write_config
 from st_stacks import build_bert_encoder, build_stack
 from tinylm import build_tiny_lm
 
 from bench.faults.broker_burst import measure as broker_burst
+from zserve import AsyncClient, Client
+from zserve.errors import Overloaded
 
 PHASE_S = 8.0 if os.environ.get("ZSERVE_SLOW") == "1" else 3.0
 CLIENTS = 4
@@ -298,3 +302,56 @@ def test_the_broker_under_a_100k_request_burst_keeps_its_workers():
     print(out)
     assert out["workers_lost"] == 0 and out["worker_resets"] == 0, out
     assert out["longest_heartbeat_gap_s"] < out["liveness_s"], out
+
+
+CLUSTER = """
+[[models]]
+name = "tiny"
+handler = "zserve.models.causal_lm:CausalLM"
+max_queue = 8
+timeout_ms = 120000
+[models.options]
+path = "{lm}"
+block_size = 8
+num_blocks = 256
+max_running = 2
+"""
+
+
+def test_the_clients_generate_cancels_its_other_prompts_when_one_is_refused(tmp_path):
+    """zserve.Client.generate and AsyncClient.generate: 40 prompts against a queue of 8 raise Overloaded at once,
+    and the 8 the broker took are cancelled (broker queue and engine back to idle, few steps), for both clients."""
+    cluster = Cluster(CLUSTER.format(lm=build_tiny_lm(tmp_path / "tinylm")), tmp_path)
+    try:
+        cluster.start_broker()
+        cluster.start_engine("tiny")
+        cluster.wait_ready({"tiny": 1}, timeout_s=120)
+        client = cluster.client()
+        prompts = [f"prompt {i}" for i in range(40)]
+        sampling = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+        def idle_after_refusal(generate) -> tuple[float, int]:
+            steps_before = tiny_health(client).engine_steps
+            with pytest.raises(Overloaded):
+                generate()
+            refused_at = time.monotonic()
+            while (h := tiny_health(client)).queue_depth or h.in_flight:
+                assert time.monotonic() < refused_at + 30, "the other prompts are still queued or running"
+                time.sleep(0.02)
+            return time.monotonic() - refused_at, tiny_health(client).engine_steps - steps_before
+
+        async def async_generate() -> None:
+            async with AsyncClient(cluster.plan.endpoints.client) as aclient:
+                await aclient.generate(prompts, model="tiny", **sampling)
+
+        for name, generate in (("Client", lambda: client.generate(prompts, model="tiny", **sampling)),
+                               ("AsyncClient", lambda: asyncio.run(async_generate()))):  # fmt: skip
+            idle_s, steps = idle_after_refusal(generate)
+            print(f"{name}.generate: engine idle {idle_s:.2f}s after Overloaded, {steps} steps")
+            assert steps < 8 * 400 / 2 / 3, (name, steps)  # the 8 admitted would take ~1600
+    finally:
+        cluster.stop()
+
+
+def tiny_health(client: Client):
+    return next(m for m in client.health().models if m.name == "tiny")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from zserve.client.aio import gather_or_cancel
 from zserve.config import FrontendSettings, LimitsConfig, endpoints_for, parse_config
 from zserve.errors import BadRequest
-from zserve.frontends.fanout import gather_or_cancel
 from zserve.frontends.limits import Limits, schema_shape
 
 SMALL = LimitsConfig(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -24,6 +24,8 @@ from zserve.generation import GenerateResponse
 from zserve.keys import AuthenticationFailed, CurveKeys
 from zserve.protocol import Cancel, Chunk, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
+
+T = TypeVar("T")
 
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: combining zmq's Flag enums costs more than the send
 _LAST = int(zmq.NOBLOCK)
@@ -150,10 +152,11 @@ class AsyncClient:
     async def generate(
         self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
     ) -> list[GenerateResponse]:
-        """One response per prompt from a generative model, all in flight together (see ``Client.generate``)."""
+        """One response per prompt from a generative model, all in flight together (see ``Client.generate``); one
+        that fails, or this call cancelled, cancels the others in the broker."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        values = await asyncio.gather(
-            *(self.predict(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts)
+        values = await gather_or_cancel(
+            [self.predict(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts]
         )
         return [response_of(model, v) for v in values]
 
@@ -301,3 +304,24 @@ class AsyncClient:
                 self._schedule_flush()
             if self._table.ping_due(now):
                 self._send(self._sock, [self._codec.encode(HealthQuery(0))])
+
+
+async def gather_or_cancel(awaitables: list[Awaitable[T]]) -> list[T]:
+    """Every result in order, or the first error with the other pieces cancelled: a cancelled ``infer`` cancels
+    its request in the broker, so no work runs on for a call that already failed (or whose caller went away).
+    The frontends gather the pieces of every multi-part request with it (completions, embeddings, rerank)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+            # the others' errors (often the same 503) are answered by the first: retrieved, so none is logged as
+            # "never retrieved"
+            task.add_done_callback(_retrieve)
+        raise
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -131,10 +131,23 @@ class Client:
     ) -> list[GenerateResponse]:
         """One response per prompt from a generative model (``CausalLM``). ``sampling``: ``max_new_tokens``,
         ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
-        ``ignore_eos``. The prompts are in flight together, so the engine runs them together."""
+        ``ignore_eos``. The prompts are in flight together, so the engine runs them together; one that fails
+        (refused, past its deadline) cancels the others in the broker, as does an exception while waiting."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        futures = [self.submit(model, {"prompt": p, **sampling}, timeout_ms=timeout_ms) for p in prompts]
-        return [response_of(model, f.result()) for f in futures]
+        started = [self._submit(model, {"prompt": p, **sampling}, timeout_ms, False) for p in prompts]
+        try:
+            # the first failure, wherever it is, not only once the prompts before it are done
+            futures = [future for future, _ in started]
+            done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                failed.result()  # raises
+            return [response_of(model, future.result()) for future in futures]
+        except BaseException:
+            for future, req_id in started:
+                if not future.done():
+                    self._cancel(req_id)
+            raise
 
     def generate_stream(
         self, prompt: str | list[dict[str, str]], *, model: str, timeout_ms: int | None = None, **sampling: Any
