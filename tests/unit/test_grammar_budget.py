@@ -119,7 +119,7 @@ def test_no_compile_holds_the_interpreter_lock(service):
     try:
         with pytest.raises(BadRequest):
             service.compile(optional_properties(1002))
-        service.compile(optional_properties(150))
+        service.compile(optional_properties(80))
     finally:
         stop.set()
         ticker.join()

@@ -162,6 +162,10 @@ class GrammarService:
                 continue
             try:
                 compiled, error = self._compile(key)
+                if error is None and compiled is None and self._live(key):  # the child died before: once more
+                    compiled, error = self._compile(key)
+                if error is None and compiled is None and self._live(key):
+                    error = BadRequest("the grammar compiler process keeps failing to start")
             except Exception as exc:  # a bug here must not leave requests waiting forever
                 log.exception("grammar compile failed")
                 compiled, error = None, BadRequest(f"the JSON schema could not be compiled: {exc!r}")
@@ -175,7 +179,9 @@ class GrammarService:
         child = self._child
         if child is None or not child.alive():
             child = self._child = _Child.start(self._info_json, self.budget.memory_bytes)
-        child.send(key)  # blocks while a child that just started imports xgrammar: not counted in the budget
+        if not child.send(key):  # blocks while a child that just started imports xgrammar: not in the budget
+            self._restart(child, "the compiler process had died")
+            return None, None
         deadline = time.monotonic() + self.budget.time_s
         why = ""
         while not why:
@@ -253,17 +259,27 @@ class _Child:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def prime(self) -> None:
+    def prime(self) -> bool:
         """Give the child the tokenizer's info and wait until it is ready to compile (it imports xgrammar
-        first: seconds, which no schema's budget should pay)."""
+        first: seconds, which no schema's budget should pay). False: the child is dead."""
         if self._info_json is not None:
-            self.conn.send_bytes(self._info_json.encode())
-            self._info_json = None
-            self.receive()  # b"r" (None: it died starting; the next receive says so again)
+            info, self._info_json = self._info_json, None
+            try:
+                self.conn.send_bytes(info.encode())
+            except OSError:
+                return False
+            return self.receive() == b"r"
+        return self.alive()
 
-    def send(self, key: str) -> None:
-        self.prime()
-        self.conn.send_bytes(key.encode())
+    def send(self, key: str) -> bool:
+        """Send a schema; False: the child is dead."""
+        if not self.prime():
+            return False
+        try:
+            self.conn.send_bytes(key.encode())
+        except OSError:
+            return False
+        return True
 
     def ready(self, timeout_s: float) -> bool:
         return self.conn.poll(timeout_s)
