@@ -11,10 +11,6 @@ from zserve.transport import die_with_parent
 
 worker_class = "zserve.frontends.fast_worker.FastPathWorker"  # gunicorn's asgi worker + the fast HTTP path
 preload_app = False  # each worker builds its own ZeroMQ client after fork
-# A caller that hangs up has its route's task cancelled at once, which cancels every piece of its request in the
-# broker (gather_or_cancel); gunicorn's default waits 3 s first, computing for nobody meanwhile. The routes
-# hold nothing that needs a graceful close.
-asgi_disconnect_grace_period = 0
 
 
 def on_starting(server: Any) -> None:
