@@ -55,7 +55,8 @@ def prepack(model: nn.Module, rows: tuple[int, ...], head_rows: int = 0, budget_
     """``cpu_linear.prepack(model, "auto")``: every fp32 ``nn.Linear`` packed for what measured fastest for
     its shape at each of ``rows`` (the output layer: those up to ``head_rows``, the most it computes logits
     for, when given); the number replaced."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # the output layer: Hugging Face's models name it, ours (llama.py) call it lm_head
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     places = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
               if type(child) is nn.Linear]  # fmt: skip
     routes = choose([child for _, _, child in places], rows, head, head_rows, budget_s)
