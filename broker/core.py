@@ -61,6 +61,10 @@ from zserve.protocol import (
 
 log = logging.getLogger("zserve.broker")
 
+# Items one Submits may carry: the broker handles a message in one go, so this bounds one message's share of a loop
+# turn. zserve's clients send at most 1024 (``zserve.client.sync.MAX_ITEMS_PER_MESSAGE``).
+MAX_SUBMITS_ITEMS = 4096
+
 
 class BrokerCore:
     def __init__(
@@ -171,6 +175,12 @@ class BrokerCore:
         frames: list[Any],
         now: float,
     ) -> None:
+        if len(items) > MAX_SUBMITS_ITEMS:
+            # Not from a zserve client (they split at 1024): answering each item would itself be the stall this
+            # bound prevents, so the message is dropped whole and its items end at their client's deadline.
+            log.warning("client %r sent a Submits of %d items (at most %d per message): dropped unanswered",
+                        identity, len(items), MAX_SUBMITS_ITEMS)  # fmt: skip
+            return
         if len(frame_counts) != len(items) or sum(frame_counts) != len(frames) or min(frame_counts, default=0) < 0:
             why = f"a Submits of {len(items)} items with {len(frame_counts)} frame counts and {len(frames)} frames"
             log.warning("client %r sent %s", identity, why)

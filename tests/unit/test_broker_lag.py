@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from test_broker_core import batches, hello, make, replies, result, submit
 
+from zserve.broker.core import MAX_SUBMITS_ITEMS
 from zserve.protocol import Heartbeat, Status
 
 LIVENESS_S = 0.5  # test_broker_core's CONFIG: 100 ms x 5
@@ -93,3 +94,13 @@ def test_a_result_waiting_in_the_socket_is_not_a_hang():
     core.tick(late, heard_s=late)
     assert [r.status for r, _ in replies(core.flush()[0], b"a")] == [Status.OK]
     assert core.take_kills() == []
+
+
+def test_a_submits_past_the_per_message_bound_is_dropped_whole():
+    """A message of 100k items (no zserve client sends one: they split at 1024) would hold the loop for seconds:
+    dropped with one log line, nothing queued; a message within the bound is served as usual."""
+    core = make()
+    submit(core, b"a", list(range(MAX_SUBMITS_ITEMS + 1)))
+    assert core.flush() == ([], []) and len(core.requests) == 0
+    submit(core, b"a", [1])
+    assert core.scheduler.depth("m") == 1
