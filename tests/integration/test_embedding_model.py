@@ -6,6 +6,7 @@ features (``dimensions``, token ids, prompts, ``truncate``) with their errors.""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -14,6 +15,8 @@ from st_stacks import POOLING_MODES, PROMPTS, build_bert_encoder, build_llama_en
 
 from zserve import BadRequest, ModelLoadError
 from zserve.model import setup_inline
+from zserve.models import backend_choice
+from zserve.models.backend_choice import Timing
 from zserve.models.embedding import SentenceEmbedding, bundled_minilm_path
 
 SENTENCES = [
@@ -190,6 +193,37 @@ def test_the_onnx_backend_equals_the_library_and_is_exported_once(encoders, tmp_
     assert export.stat().st_mtime_ns == made  # the second start reuses the export
 
 
+def test_auto_takes_onnx_only_where_it_measured_faster_and_always_gives_the_librarys_vectors(
+    encoders, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_stack(encoders["bert"], tmp_path / "s", "mean", normalize=True)
+    reference = _library(folder).encode(SENTENCES)
+    measure = backend_choice.measure
+    for onnx_s, chosen in ((0.5, "onnx"), (2.0, "torch")):  # made-up timings against torch's 1.0 s; real vectors
+
+        def timed(model, torch_call, onnx_call, onnx_s=onnx_s):
+            _, max_diff = measure(model, torch_call, onnx_call)
+            return [Timing(1, 1.0, onnx_s), Timing(32, 1.0, onnx_s)], max_diff
+
+        monkeypatch.setattr(backend_choice, "measure", timed)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="zserve.backend"):
+            model = _served(folder, backend="auto")
+        assert (model.forward.onnx is not None) == (chosen == "onnx")
+        [line] = [r.getMessage() for r in caplog.records if "backend auto" in r.getMessage()]
+        assert f"backend auto -> {chosen}" in line, line
+        np.testing.assert_allclose(np.stack(model.embed(SENTENCES)), reference, atol=1e-5)
+
+
+def test_auto_uses_torch_where_onnx_runtime_cannot_run(encoders, tmp_path, caplog):
+    folder = build_stack(encoders["bert"], tmp_path / "s", "mean")
+    with caplog.at_level(logging.INFO, logger="zserve.backend"):
+        model = _served(folder, backend="auto", dtype="bfloat16")
+    assert model.forward.onnx is None
+    assert any("backend auto -> torch: ONNX Runtime unavailable" in r.getMessage() for r in caplog.records)
+
+
 def test_the_onnx_backend_refuses_what_it_cannot_run(encoders, tmp_path):
     folder = build_stack(encoders["bert"], tmp_path / "s", "mean")
     with pytest.raises(ModelLoadError, match="float32 on the CPU"):
@@ -219,9 +253,9 @@ def test_minilm_bfloat16_is_within_cosine_0_999_of_float32(minilm):
     assert 0.999 < _cosines(np.stack(minilm.embed(SENTENCES)), bf16).min() < 0.99999  # close, and really bf16
 
 
-def test_minilm_onnx_equals_torch_and_int8_stays_close(minilm, tmp_path, monkeypatch):
+def test_minilm_onnx_equals_torch_and_int8_stays_close(tmp_path, monkeypatch):
     monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
-    torch_vectors = np.stack(minilm.embed(SENTENCES))
+    torch_vectors = np.stack(_served(bundled_minilm_path(), backend="torch").embed(SENTENCES))
     np.testing.assert_allclose(np.stack(_served(bundled_minilm_path(), backend="onnx").embed(SENTENCES)),
                                torch_vectors, atol=1e-5)  # fmt: skip
     int8 = np.stack(_served(bundled_minilm_path(), backend="onnx-int8").embed(SENTENCES))

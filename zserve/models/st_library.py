@@ -113,19 +113,48 @@ class Forward:
         self.model = model.to(torch_dtype(dtype, self.device)).eval()
         self.pinned = self.device.type == "cuda"
         self.onnx = None
-        if backend != "torch":
+        self.threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+        if backend == "auto":
+            self.onnx = self._auto(folder)
+        elif backend != "torch":
             if self.device.type != "cpu" or self.model.dtype != torch.float32:
                 raise ModelLoadError(f'{folder}: backend = "{backend}" runs in float32 on the CPU; use "torch" on '
                                      f"{device} or with dtype {dtype}")  # fmt: skip
             from zserve.models.onnx_encoder import OnnxStack
 
-            threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
-            self.onnx = OnnxStack(self.model, Path(folder), backend, threads)
+            self.onnx = OnnxStack(self.model, Path(folder), backend, self.threads)
+
+    def _auto(self, folder: str) -> Any:
+        """``backend = "auto"``: an OnnxStack where ONNX Runtime measured faster with the same vectors, else None
+        (torch); the choice logged in one line."""
+        from zserve.models import backend_choice
+
+        stack, why_not = None, ""
+        if self.device.type != "cpu" or self.model.dtype != self.torch.float32:
+            why_not = f"it runs float32 on the CPU, this engine {self.model.dtype} on {self.device}"
+        else:
+            try:
+                from zserve.models.onnx_encoder import OnnxStack
+
+                stack = OnnxStack(self.model, Path(folder), "onnx", self.threads)
+            except ImportError:
+                why_not = "not installed: pip install 'zserve[onnx]'"
+            except Exception as exc:  # an encoder the exporter cannot take serves with torch, as it did before
+                why_not = f"{type(exc).__name__}: {exc}"
+        if stack is None:
+            choice, reason = backend_choice.choose([], None, why_not)
+        else:
+            choice, reason = backend_choice.choose(*backend_choice.measure(self.model, self._torch, stack))
+        backend_choice.log.info("%s: backend auto -> %s: %s", folder or "the model", choice, reason)
+        return stack if choice == "onnx" else None
 
     def __call__(self, features: dict[str, Any]) -> dict[str, Any]:
         """The library's forward on one group (arrays decoded from frames); outputs stay on the device."""
         if self.onnx is not None:
             return self.onnx(features)
+        return self._torch(features)
+
+    def _torch(self, features: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
         inputs: dict[str, Any] = {}
         for key, value in features.items():
