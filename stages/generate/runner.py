@@ -47,6 +47,7 @@ from zserve.transport import make_socket
 log = logging.getLogger("zserve.generate")
 
 _IDLE_WAIT_S = 0.1  # the step thread's wait for work when it has none (it wakes at once on new work)
+_GRAMMAR_START_S = 60.0  # the longest the engine waits at start for its grammar compiler process
 
 
 @dataclass(slots=True)
@@ -119,8 +120,12 @@ class GenerationRunner:
         link.free_kv_blocks = self.core.free_blocks
         self.core.blocks.report_events()  # from now on, every step reports what its prefix cache changed
         link.cache_snapshot = self._cache_snapshot
-        # started before the engine registers: the tokenizer's info for grammars is built now, not on a request
+        # started before the engine registers: the tokenizer's info for grammars is built now, and the compiler
+        # process has started, not on the first structured request
         self.grammars = self.generator.start_grammars()
+        if self.grammars is not None and not self.grammars.wait_ready(_GRAMMAR_START_S):
+            log.warning("the grammar compiler process is not ready after %.0f s; structured requests will wait for it",
+                        _GRAMMAR_START_S)  # fmt: skip
         self._compiling: dict[int, Ticket | None] = {}  # batch id -> its grammar's ticket (None: being submitted)
         self._compiling_lock = threading.Lock()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # -> step thread

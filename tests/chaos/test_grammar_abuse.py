@@ -26,15 +26,20 @@ SLOW = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def served(tmp_path_factory):
     path = build_tiny_tool_lm(tmp_path_factory.mktemp("tinytool"))
     options = {"path": str(path), "block_size": 8, "num_blocks": 1024, "max_running": 8, "max_new_tokens": 16,
                "grammar_compile_s": BUDGET_S}  # fmt: skip
     served = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options=options, timeout_ms=120_000)
     try:
-        yield served.url
+        yield served
     finally:
         assert served.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served.url
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
@@ -59,7 +64,7 @@ def chat(url: str, **body) -> tuple[int, dict]:
     return post(f"{url}/v1/chat/completions", body)
 
 
-def test_a_costly_tool_grammar_is_refused_at_its_budget_while_other_chats_are_served(url):
+def test_a_costly_tool_grammar_is_refused_at_its_budget_while_other_chats_are_served(served, url):
     tool = {"type": "function", "function": {"name": "slow", "parameters": SLOW}}
     attack: dict[str, object] = {}
     assert chat(url)[0] == 200  # warm
@@ -88,6 +93,9 @@ def test_a_costly_tool_grammar_is_refused_at_its_budget_while_other_chats_are_se
     status, body = chat(url, response_format={"type": "json_object"})
     assert status == 200, body
     assert ready(url) == 200
+    # the first structured request and the compile starved no heartbeat: the broker lost no engine
+    assert "registered" in served.output  # the workers' and the broker's logs are in it
+    assert "lost: no heartbeat" not in served.output, served.output[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,7 @@ class GrammarService:
         self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._child: _Child | None = _Child.start(self._info_json, budget.memory_bytes)
         self.compiles = self.refusals = self.kills = 0  # counters, for tests and logs
+        self._ready = threading.Event()  # the first child has imported xgrammar and can compile
         self._thread = threading.Thread(target=self._loop, name="grammar-compile", daemon=True)
         self._thread.start()
 
@@ -133,6 +134,11 @@ class GrammarService:
             raise answer[1]
         return answer[0]
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the compiler process can compile (it imports xgrammar: seconds), so the first structured
+        request does not pay for it; False if it was not ready in ``timeout_s``."""
+        return self._ready.wait(timeout_s)
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=5)
@@ -154,6 +160,7 @@ class GrammarService:
             child = self._child
             if child is not None and child.alive():
                 child.prime()  # while idle: the next schema does not wait for the child's start
+            self._ready.set()
             key = self._jobs.get()
             if key is None:
                 return
