@@ -223,7 +223,7 @@ def test_the_engine_holding_a_hot_prefix_dies_nothing_is_lost_and_its_entries_go
     at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     gens.join()
-    recovery = until_ready(deployment, "tiny", 2, at)
+    recovery = until_ready(deployment, "tiny", 2, at, timeout_s=180)  # restarted before in this module: backoff
     gens.check("the engine holding the hot prefix SIGKILLed", at, recovery, expect_lost=False)
     # the restarted engine starts with an empty cache and the broker dropped the dead one's entries: the next
     # request for the prefix is not routed to it as a match
