@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from zserve.batching.quotas import TenantQuota
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
@@ -94,7 +95,16 @@ class BrokerCore:
             self.pool,
             staged,
             first_batch_id=first_batch_id,
+            weights={t.name: t.weight for t in config.tenants},
+            aging_s=b.priority_aging_ms / 1000.0,
         )
+        # per tenant with a quota; admitted and refused (RATE_LIMITED) counts per tenant
+        self.quotas = {
+            t.name: TenantQuota(t.requests_per_s, t.tokens_per_min, t.max_concurrent)
+            for t in config.tenants
+            if t.requests_per_s or t.tokens_per_min or t.max_concurrent
+        }
+        self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota]
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.stats = {m.name: ModelStats() for m in config.models}
@@ -220,13 +230,46 @@ class BrokerCore:
                 request.cost = item.cost
             if item.block_hashes:  # a routed generative model's prompt blocks (the frontend bounds them too)
                 request.block_hashes = item.block_hashes[:MAX_ROUTE_BLOCKS]
-            if submit(model, request.item_id, now, request.cost) is Admission.OVERLOADED:
+            if item.tenant or item.priority:  # the FIFO hot path pays this one test
+                if not self._admit_tenant(request, item, now):
+                    continue
+                admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
+            else:
+                admission = submit(model, request.item_id, now, request.cost)
+            if admission is Admission.OVERLOADED:
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
                 self._answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
             elif stats[model].drain_s_per_item:
                 self._refuse_if_late(request, stats[model], timeout_s)
+
+    def _admit_tenant(self, request: Request, item: Submit, now: float) -> bool:
+        """Record the request's priority and tenant, and check the tenant's quotas: past one, answer RATE_LIMITED
+        naming it (``field``) with when to retry, and return False."""
+        request.priority = item.priority
+        tenant = item.tenant
+        if not tenant:
+            return True
+        counts = self.tenant_counts.get(tenant)
+        if counts is None:
+            counts = self.tenant_counts[tenant] = [0, 0]
+        quota = self.quotas.get(tenant)
+        if quota is not None:
+            pending = self.requests.pending_by_tenant.get(tenant, 0)
+            refusal = quota.admit(tenant, now, request.cost, pending)
+            if refusal is not None:
+                counts[1] += 1
+                self.requests.pop(request.item_id)
+                retry_ms = max(1, round(refusal.retry_after_s * 1000.0))
+                reply = Reply(
+                    request.req_id, Status.RATE_LIMITED, refusal.message, refusal.quota, retry_after_ms=retry_ms
+                )
+                self._answer(request.client, reply)
+                return False
+        counts[0] += 1
+        self.requests.set_tenant(request, tenant)
+        return True
 
     def _refuse_if_late(self, request: Request, stats: ModelStats, timeout_s: float) -> None:
         """Deadline-aware admission: refuse (OVERLOADED, at once) a request that the queue ahead of it, at
@@ -357,7 +400,7 @@ class BrokerCore:
             request = self.requests.get(item_id)
             if request is not None:
                 request.batch_id = 0
-                self.scheduler.requeue(model, item_id, request.arrived_s, request.cost)
+                self.scheduler.requeue(model, item_id, request.arrived_s, request.cost, tenant=request.tenant)
 
     def _fail_batches(self, batches: list[InFlightBatch], why: str, alone: Iterable[int] = ()) -> None:
         """Batches lost with their worker: re-dispatch each item ``max_redispatch`` times, then answer
@@ -377,7 +420,9 @@ class BrokerCore:
                 else:
                     if item_id in alone:
                         request.suspect = True
-                    self.scheduler.requeue(request.model, item_id, request.arrived_s, request.cost, item_id in alone)
+                    self.scheduler.requeue(
+                        request.model, item_id, request.arrived_s, request.cost, item_id in alone, request.tenant
+                    )
 
     # ---- workers: results ----
 

@@ -31,6 +31,8 @@ class Request(msgspec.Struct, gc=False):  # a C-level constructor: this runs onc
     cost: int = 1  # what the client said it costs (models batched by cost)
     suspect: bool = False  # was in a batch that hung: goes alone, and a worker that stalls on it is hung sooner
     block_hashes: list[int] = []  # generative models routed cache_aware: the prompt's blocks (Submit.block_hashes)
+    priority: int = 0  # Submit.priority
+    tenant: str = ""  # Submit.tenant: counted in RequestTable.pending_by_tenant while pending
 
 
 class RequestTable:
@@ -39,6 +41,7 @@ class RequestTable:
         self._by_client: dict[bytes, dict[int, Request]] = {}  # client -> its req_id -> request
         self._deadlines: dict[float, deque[int]] = {}  # timeout -> ids in arrival (= deadline) order
         self._next_id = 1
+        self.pending_by_tenant: dict[str, int] = {}  # tenant -> its requests in the table (max_concurrent)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -77,6 +80,11 @@ class RequestTable:
         fifo.append(item_id)
         return request
 
+    def set_tenant(self, request: Request, tenant: str) -> None:
+        """Count ``request`` as ``tenant``'s until it leaves the table (set once, right after ``add``)."""
+        request.tenant = tenant
+        self.pending_by_tenant[tenant] = self.pending_by_tenant.get(tenant, 0) + 1
+
     def get(self, item_id: int) -> Request | None:
         return self.by_id.get(item_id)
 
@@ -91,6 +99,8 @@ class RequestTable:
             del mine[request.req_id]
             if not mine:
                 del self._by_client[request.client]
+            if request.tenant:
+                self.pending_by_tenant[request.tenant] -= 1
         return request
 
     def expired(self, now: float) -> list[Request]:

@@ -87,6 +87,10 @@ class BrokerConfig(_Section, kw_only=True):
     """Times a lost worker's batch is sent to another worker before its requests are answered `engine_lost`."""
     drain_timeout_s: NonNegativeFloat = 10.0
     """On stop, how long the broker waits for in-flight work before answering the rest `shutting_down`."""
+    priority_aging_ms: PositiveFloat = 1000.0
+    """How long a queued request waits to count as one `priority` level more urgent, so that a stream of urgent
+    requests delays a less urgent one by at most about this times the difference of their priorities. See
+    [priorities](http-api.md#priorities-tenants-and-quotas)."""
 
     def __post_init__(self) -> None:
         for key in ("client_endpoint", "work_endpoint", "out_endpoint"):
@@ -285,18 +289,43 @@ class ModelConfig(_Section, kw_only=True):
         return self.devices[engine_index % len(self.devices)] if self.devices else "cpu"
 
 
+class TenantConfig(_Section, kw_only=True):
+    """``[[tenants]]``: one per tenant, the callers that share a weight and quotas. An API key names its tenant in the
+    keys file (`KEY tenant=NAME`); a direct client may name one itself. Quotas are checked by the broker when it
+    admits a request; past one, the answer is 429 naming it (`field`) with `Retry-After`. See [priorities, tenants
+    and quotas](http-api.md#priorities-tenants-and-quotas)."""
+
+    name: str
+    """The tenant's name, as API keys give it (`tenant=NAME`)."""
+    weight: PositiveFloat = 1.0
+    """Its share of each model when tenants compete: served cost (tokens, else requests) in the ratio of the
+    weights of the tenants that have requests waiting."""
+    requests_per_s: NonNegativeFloat = 0.0
+    """Requests admitted per second (a token bucket holding one second's worth); 0 = no limit."""
+    tokens_per_min: NonNegativeFloat = 0.0
+    """Tokens admitted per minute, counted by the request's cost (prompt tokens; 1 for a model without a cost
+    function), a token bucket holding one minute's worth; 0 = no limit."""
+    max_concurrent: NonNegativeInt = 0
+    """Requests pending in the broker (queued or computing) at once; 0 = no limit."""
+
+
 class Config(_Section, kw_only=True):
-    """The whole supervisor.toml: four tables, and one ``[[models]]`` table per model."""
+    """The whole supervisor.toml: four tables, one ``[[models]]`` table per model and one ``[[tenants]]`` table per
+    tenant."""
 
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
     frontends: FrontendsConfig = msgspec.field(default_factory=FrontendsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     models: list[ModelConfig] = []
+    tenants: list[TenantConfig] = []
 
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("at least one [[models]] table is required")
+        tenants = [t.name for t in self.tenants]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError(f"tenant names must be unique: {', '.join(sorted(tenants))}")
         names = [m.name for m in self.models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -451,6 +480,10 @@ def to_toml(config: Config) -> str:
         if options:
             lines.append("[models.options]")
             lines += [f"{key} = {_toml_value(value)}" for key, value in options.items()]
+        lines.append("")
+    for tenant in data.get("tenants", []):
+        lines.append("[[tenants]]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in tenant.items() if value is not None]
         lines.append("")
     text = "\n".join(lines)
     parse_config(text, "generated supervisor.toml")  # fail here, not in `zserve up`, if it does not round-trip

@@ -40,6 +40,19 @@ class Overloaded(ZserveError):
     type_name = "overloaded"
 
 
+class RateLimited(ZserveError):
+    """The request's tenant is past one of its quotas (``field`` names it: ``requests_per_s``, ``tokens_per_min``,
+    ``max_concurrent``): retry after ``retry_after_s``."""
+
+    status = Status.RATE_LIMITED
+    http_status = 429
+    type_name = "rate_limited"
+
+    def __init__(self, message: str = "", *, field: str = "", retry_after_s: float = 1.0) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+
 class ShuttingDown(Overloaded):
     status = Status.SHUTTING_DOWN
     type_name = "shutting_down"
@@ -90,10 +103,22 @@ class ModelLoadError(RuntimeError):
 
 _BY_STATUS: dict[Status, type[ZserveError]] = {
     cls.status: cls
-    for cls in (BadRequest, UnknownModel, Overloaded, ShuttingDown, DeadlineExceeded, EngineLost, ModelError, Cancelled)
+    for cls in (
+        BadRequest,
+        UnknownModel,
+        Overloaded,
+        RateLimited,
+        ShuttingDown,
+        DeadlineExceeded,
+        EngineLost,
+        ModelError,
+        Cancelled,
+    )
 }
 
 
-def error_for(status: Status, message: str, field: str = "") -> ZserveError:
+def error_for(status: Status, message: str, field: str = "", retry_after_ms: int = 0) -> ZserveError:
     """The typed exception for a non-OK wire status."""
+    if status == Status.RATE_LIMITED:
+        return RateLimited(message, field=field, retry_after_s=max(1, retry_after_ms) / 1000.0)
     return _BY_STATUS.get(status, ZserveError)(message, field=field)

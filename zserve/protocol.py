@@ -28,6 +28,7 @@ class Status(enum.IntEnum):
     INTERNAL = 6  # the model raised, or returned the wrong number of outputs
     CANCELLED = 7
     SHUTTING_DOWN = 8  # the broker is draining and accepts nothing new
+    RATE_LIMITED = 9  # the tenant is past a quota (Reply.field names it): retry after Reply.retry_after_ms
 
 
 class Msg(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -49,6 +50,8 @@ class Submit(Msg, tag=1):
     # generative models routed cache_aware: the prompt's shareable blocks' hashes (``zserve.batching.prefix_hash``),
     # at most MAX_ROUTE_BLOCKS; [] = route by load alone
     block_hashes: list[int] = []
+    priority: int = 0  # lower is more urgent (vLLM's convention); see zserve.batching.fair_share
+    tenant: str = ""  # whose quota and share this request counts against ([[tenants]]); "" = nobody's
 
 
 class Cancel(Msg, tag=2):
@@ -65,6 +68,7 @@ class Reply(Msg, tag=3):
     batch_size: int = 0
     queue_ms: float = 0.0  # time from arrival at the broker to dispatch to a worker
     compute_ms: float = 0.0  # time the batch spent in the worker
+    retry_after_ms: int = 0  # RATE_LIMITED: when the quota lets the request in
 
 
 class TopLogprob(msgspec.Struct, gc=False):

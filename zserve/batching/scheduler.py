@@ -23,6 +23,12 @@ within the budget and at least half of what it computes is real (padding efficie
 items share batches with long ones and short with short. Fairness bound: only items that arrived within
 ``max_wait_ms`` of the oldest one may join it, so no item is ever passed over by one that arrived more than
 ``max_wait_ms`` after it, and every batch takes the oldest item: nothing starves.
+
+Priorities and tenants (``zserve.batching.fair_share``): a model whose items all have priority 0 and no tenant keeps
+the FIFO above, at no cost. The first item with a priority or a tenant (or tenants configured from the start) gives
+the model a ``FairQueue``, and from then on its batches take items in the fair queue's order (priority with aging,
+then weighted fair share on cost); when to send a batch is decided as above. A cost-aware model's batches then fill
+in that order up to the budget, without grouping items by cost.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zserve.batching.fair_share import DEFAULT_AGING_S, FairQueue
 from zserve.batching.workers import ENGINE, PREPROCESS, Worker, WorkerPool
 
 
@@ -82,6 +89,9 @@ class Scheduler:
         pool: WorkerPool,
         staged: frozenset[str] = frozenset(),
         first_batch_id: int = 1,
+        weights: dict[str, float] | None = None,
+        fair_models: frozenset[str] = frozenset(),
+        aging_s: float = DEFAULT_AGING_S,
     ):
         self.policies = policies
         self.pool = pool
@@ -99,26 +109,52 @@ class Scheduler:
         self._next_batch_id = first_batch_id
         # models whose sequences an engine router places: (model, item id, the least-loaded engine) -> engine
         self.routes: dict[str, Callable[[str, int, Worker], Worker]] = {}
+        # models ordered by priority and fair share (the module docstring); the others stay FIFO
+        self.weights = weights or {}
+        self.aging_s = aging_s
+        self.fair: dict[str, FairQueue] = {m: FairQueue(self.weights, aging_s) for m in fair_models if m in policies}
 
-    def submit(self, model: str, item_id: int, now: float, cost: int = 1) -> Admission:
+    def submit(
+        self, model: str, item_id: int, now: float, cost: int = 1, priority: int = 0, tenant: str = ""
+    ) -> Admission:
         queue = self._queues.get(model)
         if queue is None:
             return Admission.UNKNOWN_MODEL
         if len(queue) >= self.policies[model].max_queue:
             return Admission.OVERLOADED
         queue[item_id] = now
+        if priority or tenant or self.fair:  # the FIFO hot path pays this one test
+            fair = self.fair.get(model)
+            if fair is None and (priority or tenant):
+                fair = self._make_fair(model, item_id)
+            if fair is not None:
+                fair.add(item_id, now, cost, priority, tenant)
         costs = self._costs.get(model)
         if costs is not None:
             costs[item_id] = cost = max(1, cost)
             self._queued_cost[model] += cost
         return Admission.ACCEPTED
 
-    def requeue(self, model: str, item_id: int, queued_s: float, cost: int = 1, alone: bool = False) -> None:
+    def _make_fair(self, model: str, item_id: int) -> FairQueue:
+        """A FIFO model's first item with a priority or tenant: what is queued joins the fair queue as it stands."""
+        fair = self.fair[model] = FairQueue(self.weights, self.aging_s)
+        costs = self._costs.get(model)
+        for queued_id, arrived_s in self._queues[model].items():
+            if queued_id != item_id:
+                fair.add(queued_id, arrived_s, costs[queued_id] if costs is not None else 1)
+        return fair
+
+    def requeue(
+        self, model: str, item_id: int, queued_s: float, cost: int = 1, alone: bool = False, tenant: str = ""
+    ) -> None:
         """Put an item back at the head of its queue (its batch was lost). Ignores ``max_queue``: the
         item was admitted once and must get an answer. ``alone``: its next batch holds only it."""
         queue = self._queues[model]
         queue[item_id] = queued_s
         queue.move_to_end(item_id, last=False)
+        fair = self.fair.get(model)
+        if fair is not None:
+            fair.add_front(item_id, cost, tenant)
         if alone:
             self._alone[model].add(item_id)
         costs = self._costs.get(model)
@@ -132,6 +168,9 @@ class Scheduler:
         if queue is None or queue.pop(item_id, None) is None:
             return False
         self._alone[model].discard(item_id)
+        fair = self.fair.get(model)
+        if fair is not None:
+            fair.remove(item_id)
         costs = self._costs.get(model)
         if costs is not None:
             self._queued_cost[model] -= costs.pop(item_id)
@@ -185,6 +224,7 @@ class Scheduler:
             policy = self.policies[model]
             role = self._role(model)
             alone = self._alone[model]
+            fair = self.fair.get(model)
             while queue:
                 # An idle engine with nothing on its way takes a staged model's batch itself if its preprocess is
                 # cheap (Model.preprocess_in_idle_engine): through a stage, the hops are all the engine waits for.
@@ -212,9 +252,13 @@ class Scheduler:
                     alone.discard(item_id)
                     if policy.max_batch_cost:
                         self._queued_cost[model] -= self._costs[model].pop(item_id)
+                    if fair is not None:
+                        fair.remove(item_id)
                     ids = [item_id]
                 elif not ready:
                     break
+                elif fair is not None:
+                    ids = self._take_fair(model, policy, fair, now)
                 elif policy.max_batch_cost:
                     ids = self._take_by_cost(model, policy)
                 else:
@@ -231,6 +275,35 @@ class Scheduler:
                 self.pool.start(worker, batch_id, model, ids, now)
                 out.append(Dispatch(batch_id, model, worker, ids, preprocess=direct))
         return out
+
+    def _take_fair(self, model: str, policy: BatchPolicy, fair: FairQueue, now: float) -> list[int]:
+        """A batch in the fair queue's order: up to ``max_batch_size`` items, and for a cost-aware model while the
+        batch (its size times its largest item's cost) stays within the budget; always at least one item."""
+        queue, alone, costs = self._queues[model], self._alone[model], self._costs.get(model)
+        ids: list[int] = []
+        largest = 0
+        while len(ids) < policy.max_batch_size:
+            item_id = fair.peek(now)
+            if item_id is None or (ids and item_id in alone):
+                break
+            if costs is not None:
+                top = max(largest, costs[item_id])
+                if ids and (len(ids) + 1) * top > policy.max_batch_cost:
+                    break
+                largest = top
+            fair.pop(now)
+            del queue[item_id]
+            ids.append(item_id)
+            if item_id in alone:  # only at the head: a batch of its own
+                alone.discard(item_id)
+                break
+        if costs is not None:
+            total = sum(costs.pop(i) for i in ids)
+            self._queued_cost[model] -= total
+            padding = self.padding[model]
+            padding[0] += total
+            padding[1] += len(ids) * largest
+        return ids
 
     def _take_by_cost(self, model: str, policy: BatchPolicy) -> list[int]:
         """Take a cost-aware batch off the queue (the rule is in the module docstring)."""

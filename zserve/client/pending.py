@@ -46,7 +46,7 @@ class Answer:
 def answer_of(reply: Reply, frames: list[Any]) -> Answer:
     """The Answer a Reply carries, or its typed error (raised)."""
     if reply.status != Status.OK:
-        raise error_for(Status(reply.status), reply.message, reply.field)
+        raise error_for(Status(reply.status), reply.message, reply.field, reply.retry_after_ms)
     return Answer(payload.decode(frames), reply.batch_size, reply.queue_ms, reply.compute_ms)
 
 

@@ -1,0 +1,144 @@
+"""The order in which one model's queued items are taken when priorities or tenants are in use. Pure: no clock of
+its own (``now`` is passed in, in seconds).
+
+Priority (an integer, lower is more urgent, default 0: vLLM's convention) comes first, tenants' fair share second:
+
+* **Fair share.** Tenants are served by start-time fair queuing on cost (Goyal et al., 1996): each backlogged tenant
+  has a virtual start tag, the tenant with the smallest tag is served next, and serving an item of cost ``c`` moves
+  its tenant's tag on by ``c / weight``. Two tenants that are both backlogged therefore get served cost in the ratio
+  of their weights, whatever rate each sends; a tenant that was idle starts at the current virtual time, so it
+  cannot bank credit while it sends nothing.
+* **Priority.** Among tenants, the one whose next item is the most urgent goes first; within a tenant, its items go
+  most urgent first, oldest first within a priority.
+* **Aging, so nothing starves.** Each ``aging_s`` an item waits counts as one level more urgent (never more urgent
+  than the most urgent item it is compared with, so equally urgent tenants still share fairly). An item of priority
+  ``p`` therefore waits at most about ``(p - p_best) * aging_s`` behind a steady stream of more urgent ones, and is
+  then served among them by fair share; within a tenant the order key ``arrived_s + priority * aging_s`` says the
+  same without depending on the clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+DEFAULT_AGING_S = 1.0
+
+
+@dataclass(slots=True)
+class _Tenant:
+    weight: float
+    # (arrived_s + priority * aging_s, sequence, item id, priority, arrived_s): the tenant's own order
+    heap: list[tuple[float, int, int, int, float]] = field(default_factory=list)
+    start: float = 0.0  # virtual start tag of its next item, while backlogged
+    queued: int = 0  # live items in the heap (removed ones stay in it until they reach its top)
+
+
+class FairQueue:
+    """One model's queue order under priorities and tenants. Holds ids and their costs; the scheduler keeps the
+    rest (arrival times for the batching window, the cost totals)."""
+
+    def __init__(self, weights: dict[str, float] | None = None, aging_s: float = DEFAULT_AGING_S) -> None:
+        self.weights = weights or {}
+        self.aging_s = aging_s
+        self._tenants: dict[str, _Tenant] = {}
+        self._live: dict[int, tuple[str, int]] = {}  # item id -> (tenant, cost)
+        self._front: deque[int] = deque()  # requeued items (their batch was lost): first, in this order
+        self._seq = itertools.count()
+        self.virtual = 0.0  # the start tag of the item served last
+        self.served: dict[str, int] = {}  # tenant -> cost served (the fair-share figure)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, item_id: int) -> bool:
+        return item_id in self._live
+
+    def add(self, item_id: int, arrived_s: float, cost: int = 1, priority: int = 0, tenant: str = "") -> None:
+        t = self._tenants.get(tenant)
+        if t is None:
+            t = self._tenants[tenant] = _Tenant(max(1e-9, float(self.weights.get(tenant, 1.0))))
+        if not t.queued:  # becomes backlogged: no credit for the time it sent nothing
+            t.start = max(t.start, self.virtual)
+        t.queued += 1
+        key = arrived_s + priority * self.aging_s
+        heapq.heappush(t.heap, (key, next(self._seq), item_id, priority, arrived_s))
+        self._live[item_id] = (tenant, max(1, cost))
+
+    def add_front(self, item_id: int, cost: int = 1, tenant: str = "") -> None:
+        """An item whose batch was lost: it goes before everything else (it was admitted and chosen once)."""
+        self._live[item_id] = (tenant, max(1, cost))
+        self._front.appendleft(item_id)
+
+    def remove(self, item_id: int) -> bool:
+        entry = self._live.pop(item_id, None)
+        if entry is None:
+            return False
+        t = self._tenants.get(entry[0])
+        if t is not None and item_id not in self._front:
+            t.queued -= 1
+        return True
+
+    def cost(self, item_id: int) -> int:
+        return self._live[item_id][1]
+
+    def _head(self, t: _Tenant) -> tuple[float, int, int, int, float] | None:
+        heap, live = t.heap, self._live
+        while heap and heap[0][2] not in live:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def peek(self, now: float) -> int | None:
+        """The id that ``pop`` would take now, or None if empty."""
+        front = self._front
+        while front and front[0] not in self._live:
+            front.popleft()
+        if front:
+            return front[0]
+        choice = self._choose(now)
+        return None if choice is None else choice[1][2]
+
+    def _choose(self, now: float) -> tuple[str, tuple[float, int, int, int, float]] | None:
+        heads = []
+        for name, t in self._tenants.items():
+            if t.queued:
+                head = self._head(t)
+                if head is not None:
+                    heads.append((name, t, head))
+        if not heads:
+            return None
+        best_priority = min(h[3] for _, _, h in heads)
+        best: tuple[int, float, int] | None = None
+        chosen = None
+        for name, t, head in heads:
+            aged = head[3] - math.floor((now - head[4]) / self.aging_s) if self.aging_s > 0 else head[3]
+            rank = (max(aged, best_priority), t.start, head[1])
+            if best is None or rank < best:
+                best, chosen = rank, (name, head)
+        return chosen
+
+    def pop(self, now: float) -> int | None:
+        """Take the next item (see the module docstring); None if empty."""
+        front = self._front
+        while front:
+            item_id = front.popleft()
+            if item_id in self._live:
+                tenant, cost = self._live.pop(item_id)
+                self.served[tenant] = self.served.get(tenant, 0) + cost
+                return item_id
+        choice = self._choose(now)
+        if choice is None:
+            return None
+        name, head = choice
+        t = self._tenants[name]
+        heapq.heappop(t.heap)
+        item_id = head[2]
+        _, cost = self._live.pop(item_id)
+        t.queued -= 1
+        self.virtual = t.start
+        t.start += cost / t.weight
+        self.served[name] = self.served.get(name, 0) + cost
+        return item_id
