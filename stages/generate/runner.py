@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from zserve import payload
-from zserve.errors import BadRequest
+from zserve.errors import ZserveError
 from zserve.frames import pack
 from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
 from zserve.generator.detokenize import TextStream
@@ -172,13 +172,13 @@ class GenerationRunner:
         """Queue the sequence's schema; it joins the core when compiled (at once from the cache)."""
         batch_id = admitted.batch_id
 
-        def on_done(compiled: Any, error: BadRequest | None) -> None:
+        def on_done(compiled: Any, error: ZserveError | None) -> None:
             with self._compiling_lock:
                 if batch_id not in self._compiling:
                     return  # aborted meanwhile
                 del self._compiling[batch_id]
             if error is not None:
-                self.outbox.put(("fail", batch_id, Failure(Status.BAD_REQUEST, error.message, error.field)))
+                self.outbox.put(("fail", batch_id, Failure(error.status, error.message, error.field)))
             else:
                 admitted.prompt = admitted.prompt.with_grammar(compiled)
                 self.inbox.put(("add", admitted))

@@ -88,6 +88,27 @@ def test_a_cancelled_compile_is_killed_and_others_go_on(service):
 
 
 @needs_xgrammar
+def test_past_max_waiting_schemas_a_new_one_is_overloaded_at_once(tokenizer):
+    from zserve.errors import Overloaded
+    from zserve.generator.grammar_compile import CompileBudget, GrammarService
+
+    svc = GrammarService(tokenizer, len(tokenizer), CompileBudget(time_s=60, max_waiting=1))
+    try:
+        assert svc.wait_ready(120)
+        answers: list[object] = []
+        ticket = svc.submit(optional_properties(1003), "tools", lambda *a: answers.append(a))
+        assert ticket is not None and answers == []
+        refused: list[object] = []
+        assert svc.submit(SMALL, "response_format", lambda *a: refused.append(a)) is None
+        [(compiled, error)] = refused
+        assert compiled is None and isinstance(error, Overloaded) and error.field == "response_format"
+        ticket.cancel()  # the costly one is killed; the queue has room again
+        assert svc.compile(SMALL) is not None
+    finally:
+        svc.close()
+
+
+@needs_xgrammar
 def test_the_cache_is_bounded_and_shared_by_equal_schemas(service):
     schemas = [json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}}) for i in range(5)]
     compiled = [service.compile(s) for s in schemas]

@@ -15,7 +15,8 @@ admits requests, and never without a bound:
   heartbeat or step waits for them (a thread ticking every 10 ms saw at most 56 ms between ticks during the
   11-minute compile).
 * compiled grammars are cached by schema text, least recently used first out, bounded by count and by
-  their bytes (``CompiledGrammar.memory_size_bytes``).
+  their bytes (``CompiledGrammar.memory_size_bytes``); at most ``max_waiting`` distinct schemas wait to
+  compile (a request waiting holds its engine credit), past it a new one is Overloaded (503, retry later).
 
 The caller's thread only looks the cache up and queues; the answer comes through ``on_done`` on the
 service's thread (the runner then adds the sequence to the engine core: until then it waits outside the
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from zserve.errors import BadRequest
+from zserve.errors import BadRequest, Overloaded, ZserveError
 
 log = logging.getLogger("zserve.generator.grammar_compile")
 
@@ -57,9 +58,12 @@ class CompileBudget:
     memory_bytes: int = 1 << 30
     cache_entries: int = 256
     cache_bytes: int = 256 << 20
+    # distinct schemas waiting to compile (each holds its requests' engine credits while it waits): past it a
+    # new one is refused with Overloaded (503, retry later), so costly schemas cannot take every credit
+    max_waiting: int = 8
 
 
-OnDone = Callable[[Any, BadRequest | None], None]  # (compiled grammar or None, the refusal or None)
+OnDone = Callable[[Any, ZserveError | None], None]  # (compiled grammar or None, the refusal or None)
 
 
 class Ticket:
@@ -103,28 +107,38 @@ class GrammarService:
     def submit(self, schema: str | None, field: str, on_done: OnDone) -> Ticket | None:
         """The compiled grammar for ``schema`` (JSON text; None: any JSON object): from the cache, ``on_done``
         is called now and None returned; else a Ticket, and ``on_done`` is called on the service's thread.
-        A refusal (the compiler's, or the budget's) is a BadRequest naming ``field``."""
+        A refusal (the compiler's, or the budget's) is a BadRequest naming ``field``; with ``max_waiting``
+        other schemas waiting, an Overloaded at once."""
         key = _ANY_OBJECT if schema is None else schema
         with self._lock:
             compiled = self._cache.get(key)
+            busy = compiled is None and key not in self._waiting and self._waiting_live() >= self.budget.max_waiting
             if compiled is not None:
                 self._cache.move_to_end(key)
-            else:
+            elif not busy:
                 ticket = Ticket(key, field, on_done)
                 waiting = self._waiting.setdefault(key, [])
                 waiting.append(ticket)
                 if len(waiting) == 1:
                     self._jobs.put(key)
                 return ticket
-        on_done(compiled, None)
+        if busy:
+            why = f"{self.budget.max_waiting} schemas are waiting to compile on this engine: retry later"
+            on_done(None, Overloaded(why, field=field))
+        else:
+            on_done(compiled, None)
         return None
+
+    def _waiting_live(self) -> int:
+        """Schemas some request still waits for (a cancelled one's entry lasts until the thread sees it)."""
+        return sum(1 for tickets in self._waiting.values() if any(not t.cancelled for t in tickets))
 
     def compile(self, schema: str | None, field: str = "response_format") -> Any:
         """Blocking: the compiled grammar, or the BadRequest raised (in-process generation)."""
         done = threading.Event()
         answer: list[Any] = []
 
-        def on_done(compiled: Any, error: BadRequest | None) -> None:
+        def on_done(compiled: Any, error: ZserveError | None) -> None:
             answer[:] = [compiled, error]
             done.set()
 
