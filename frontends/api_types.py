@@ -94,6 +94,11 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
 
 
+# A request's place in its model's queue (docs/http-api.md#priorities-tenants-and-quotas); bounded so that aging
+# (one level per priority_aging_ms) stays meaningful.
+Priority = Annotated[int, Meta(ge=-1_000_000, le=1_000_000)]
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
     does. Refused unless neutral (400 naming the field): best_of other than n, suffix. ``n`` is at most the
@@ -124,6 +129,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 = off
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0)] | None = None  # HF's, over prompt and output; 1 = off
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -349,6 +355,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     prompt_name: str | None = None
     prompt: str | None = None
     truncate: bool = True
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 class Embedding(msgspec.Struct):

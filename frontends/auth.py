@@ -1,9 +1,11 @@
 """API keys: ``Authorization: Bearer KEY`` (what the OpenAI client sends) on every route but the health ones.
 
 Keys come from ``[frontends] api_keys_file`` (one key per line, ``#`` comment lines; each worker reads it
-again on SIGHUP) and from ``ZSERVE_API_KEYS`` (comma separated). With neither, the API is open. A key is
-compared with every accepted key by ``hmac.compare_digest``, with no early exit, so the answer's timing says
-nothing about how much of a key was right. Keys are never logged: log lines name the file and a count.
+again on SIGHUP) and from ``ZSERVE_API_KEYS`` (comma separated). A line of the file may name, after the key,
+the key's tenant and default priority: ``KEY tenant=NAME priority=N`` (docs/http-api.md). With neither, the
+API is open. A key is compared with every accepted key by ``hmac.compare_digest``, with no early exit, so the
+answer's timing says nothing about how much of a key was right. Keys are never logged: log lines name the file
+and a count.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hmac
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 import falcon.asgi
@@ -26,10 +29,35 @@ ENV_VAR = "ZSERVE_API_KEYS"
 MISSING_KEY = "an API key is required: send `Authorization: Bearer KEY`"
 
 
-def read_keys_file(path: str) -> list[bytes]:
-    """The keys in ``path``: one per line, blank lines and lines starting with ``#`` skipped. Raises
-    ``OSError`` if the file cannot be read, ``ValueError`` (naming the line, not the key) for a line with
-    whitespace inside."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a key speaks for: its tenant ("" = none) and the priority its requests get when they name none."""
+
+    tenant: str = ""
+    priority: int = 0
+
+
+ANONYMOUS = Caller()
+
+
+def _caller(path: str, number: int, fields: list[str]) -> Caller:
+    values: dict[str, str] = {}
+    for field in fields:
+        name, eq, value = field.partition("=")
+        if not eq or name not in ("tenant", "priority") or not value or name in values:
+            raise ValueError(f"{path}:{number}: after the key, only tenant=NAME and priority=N may follow")
+        values[name] = value
+    try:
+        priority = int(values.get("priority", "0"))
+    except ValueError:
+        raise ValueError(f"{path}:{number}: priority must be an integer") from None
+    return Caller(values.get("tenant", ""), priority)
+
+
+def read_keys_file(path: str) -> list[tuple[bytes, Caller]]:
+    """The keys in ``path`` and whom each speaks for: one per line (``KEY`` or ``KEY tenant=NAME priority=N``),
+    blank lines and lines starting with ``#`` skipped. Raises ``OSError`` if the file cannot be read,
+    ``ValueError`` (naming the line, not the key) for a line that is not of that form."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     keys = []
@@ -37,24 +65,23 @@ def read_keys_file(path: str) -> list[bytes]:
         key = line.strip()
         if not key or key.startswith("#"):
             continue
-        if len(key.split()) != 1:
-            raise ValueError(f"{path}:{number}: a key must not contain whitespace")
-        keys.append(key.encode())
+        key, *fields = key.split()
+        keys.append((key.encode(), _caller(path, number, fields) if fields else ANONYMOUS))
     return keys
 
 
-def env_keys(value: str | None) -> list[bytes]:
-    return [k.strip().encode() for k in (value or "").split(",") if k.strip()]
+def env_keys(value: str | None) -> list[tuple[bytes, Caller]]:
+    return [(k.strip().encode(), ANONYMOUS) for k in (value or "").split(",") if k.strip()]
 
 
 class ApiKeys:
     """The keys a worker accepts: the file's (replaced by ``reload``) plus the environment's."""
 
-    def __init__(self, path: str, from_env: list[bytes]) -> None:
+    def __init__(self, path: str, from_env: list[tuple[bytes, Caller]]) -> None:
         self.path = path
         self.from_env = from_env
         try:
-            self.from_file: list[bytes] = read_keys_file(path) if path else []
+            self.from_file: list[tuple[bytes, Caller]] = read_keys_file(path) if path else []
         except OSError as exc:
             raise RuntimeError(f"[frontends] api_keys_file: cannot read {path}: {exc.strerror}") from None
         if path and not self.from_file:
@@ -76,14 +103,20 @@ class ApiKeys:
 
     def allows(self, authorization: str | None, also: tuple[bytes, ...] = ()) -> bool:
         """Whether ``authorization`` is ``Bearer KEY`` with an accepted key (or one of ``also``)."""
+        return self.caller(authorization, also) is not None
+
+    def caller(self, authorization: str | None, also: tuple[bytes, ...] = ()) -> Caller | None:
+        """Whom ``authorization`` (``Bearer KEY``) speaks for, or None if its key is not accepted. Every key is
+        compared, with no early exit."""
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
+            return None
         given = token.strip().encode()
-        ok = False
-        for key in (*self.from_file, *self.from_env, *also):
-            ok |= hmac.compare_digest(given, key)
-        return ok
+        found: Caller | None = None
+        for key, caller in (*self.from_file, *self.from_env, *((k, ANONYMOUS) for k in also)):
+            if hmac.compare_digest(given, key) and found is None:
+                found = caller
+        return found
 
 
 class RequireApiKey:
@@ -109,9 +142,15 @@ class RequireApiKey:
             return None
         return "invalid API key" if authorization is not None else MISSING_KEY
 
+    def caller(self, authorization: str | None) -> Caller:
+        """Whom an accepted request speaks for (ANONYMOUS for a key without tenant, or an open path)."""
+        return self.keys.caller(authorization) or ANONYMOUS
+
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        message = self.refusal(req.path, req.get_header("Authorization"))
+        authorization = req.get_header("Authorization")
+        message = self.refusal(req.path, authorization)
         if message is None:
+            req.context.caller = self.caller(authorization)
             return
         error_writer(req.path)(resp, 401, "invalid_api_key", message)
         resp.set_header("WWW-Authenticate", "Bearer")

@@ -23,7 +23,14 @@ from zserve.errors import BadRequest
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, decode_body
 from zserve.frontends.limits import Limits
-from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
+from zserve.frontends.resources import (
+    RequestError,
+    answer_error,
+    decode_item,
+    openai_error,
+    priority_and_tenant,
+    read_json,
+)
 from zserve.model import Model
 from zserve.models.embedding import SentenceEmbedding
 
@@ -100,7 +107,10 @@ class EmbeddingsResource:
                         raise  # an option of the whole request, named as it is
                     raise BadRequest(f"input {i}: {exc.message}", field="input") from None
             try:
-                answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+                priority, tenant = priority_and_tenant(req, request.priority)
+                answers = await gather_or_cancel(
+                    [self.client.infer(name, item, decoded=True, priority=priority, tenant=tenant) for item in items]
+                )
             except BadRequest as exc:  # what only the model's files can tell, checked on its stage
                 raise _as_input_field(exc) from None
         except Exception as exc:

@@ -44,9 +44,11 @@ def response(status: int, body: bytes, extra: bytes = b"", connection: bytes = b
     return head + extra + connection + b"\r\n" + body
 
 
-def error_response(status: int, type_name: str, message: str, field: str = "", connection: bytes = b"") -> bytes:
-    """An error in the native routes' shape (``resources.set_error``'s), 503s with Retry-After."""
-    extra = b"Retry-After: 1\r\n" if status == 503 else b""
+def error_response(
+    status: int, type_name: str, message: str, field: str = "", connection: bytes = b"", retry_after_s: int = 0
+) -> bytes:
+    """An error in the native routes' shape (``resources.set_error``'s), 503s and 429s with Retry-After."""
+    extra = b"Retry-After: %d\r\n" % (retry_after_s or 1) if status == 503 or retry_after_s else b""
     if status == 401:
         extra += b"WWW-Authenticate: Bearer\r\n"
     return response(status, error_body(type_name, message, field), extra, connection)
@@ -102,7 +104,8 @@ class PendingRequest:
             log.error("request to model %s failed", self.name, exc_info=error)
             self.answer(500, error_response(500, "internal", f"{type(error).__name__}: {error}", connection=connection))
         else:
-            out = error_response(known.status, known.type_name, known.message, known.field, connection)
+            out = error_response(known.status, known.type_name, known.message, known.field, connection,
+                                 known.retry_after_s)  # fmt: skip
             self.answer(known.status, out)
 
     # ---- answering ----

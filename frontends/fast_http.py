@@ -29,6 +29,7 @@ from typing import Any
 import gunicorn_h1c
 
 from zserve.frontends import gunicorn_internals
+from zserve.frontends.auth import ANONYMOUS
 from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, PendingRequest, error_response
 from zserve.frontends.fast_state import ENDING, ConnState, Event, advance
 from zserve.frontends.resources import PredictRoute
@@ -180,7 +181,9 @@ class FastHttpProtocol(asyncio.Protocol):
             if path.startswith(_PREFIX) and path.endswith(_SUFFIX):
                 name = path[len(_PREFIX) : -len(_SUFFIX)].decode("latin-1")
                 handler = self.route.handlers.get(name)
-        if handler is None:
+        # A request with a priority header goes to the falcon route, which reads it (the fast path's requests carry
+        # none: their priority is their API key's).
+        if handler is None or parser.get_header(b"x-zserve-priority") is not None:
             self._advance(Event.HANDOVER_REQUEST)
             return False
         self._raw = None
@@ -226,15 +229,21 @@ class FastHttpProtocol(asyncio.Protocol):
     def _submit(self, request: PendingRequest) -> None:
         self.queue.append(request)
         route = self.route
+        caller = ANONYMOUS
         if self.auth is not None:
             refusal = self.auth.refusal(f"/v1/models/{request.name}/predict", request.auth_header)
             if refusal is not None:
                 return request.deliver(error_response(401, "invalid_api_key", refusal, connection=request.connection()))
+            caller = self.auth.caller(request.auth_header)
         try:
             raw = request.chunks[0] if len(request.chunks) == 1 else b"".join(request.chunks)
             request.chunks = []
             item = route.item(request.handler, raw, request.content_type)
-            request.req_id = route.client.start(request.name, item, request, decoded=True)
+            if caller is ANONYMOUS:
+                request.req_id = route.client.start(request.name, item, request, decoded=True)
+            else:
+                request.req_id = route.client.start(request.name, item, request, decoded=True,
+                                                    priority=caller.priority, tenant=caller.tenant)  # fmt: skip
         except Exception as exc:
             return request.fail(exc)
 

@@ -50,6 +50,7 @@ from zserve.frontends.resources import (
     answer_error,
     decode_item,
     openai_error,
+    priority_and_tenant,
     read_json,
     set_error,
 )
@@ -131,8 +132,8 @@ class _GenerateRoute:
             if named and named[0] in self.metrics:
                 self.metrics[named[0]].answered(code, time.perf_counter() - started)
 
-    async def _run(self, name: str, item: Any) -> GenerateResponse:
-        answer = await self.client.infer(name, item, decoded=True)
+    async def _run(self, name: str, item: Any, priority: int = 0, tenant: str = "") -> GenerateResponse:
+        answer = await self.client.infer(name, item, decoded=True, priority=priority, tenant=tenant)
         return msgspec.convert(answer.value, GenerateResponse)
 
 
@@ -160,12 +161,16 @@ class _OpenAIRoute(_GenerateRoute):
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
             n = len(items) // len(prompts)
             states = self._states(model, body, prompts, n)
+            priority, tenant = priority_and_tenant(req, body.get("priority"))
             try:
                 if body.get("stream"):
                     if len(prompts) != 1:
                         raise BadRequest("streaming takes one prompt per request", field="prompt")
                     usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    streams = [self.client.generate_stream(item, model=name, decoded=True) for item in items]
+                    streams = [
+                        self.client.generate_stream(item, model=name, decoded=True, priority=priority, tenant=tenant)
+                        for item in items
+                    ]
                     try:  # an error before any text (a prompt the engine refuses) is an HTTP error, not an event
                         firsts = await gather_or_cancel([_first(s) for s in streams])
                     except BaseException:
@@ -175,7 +180,7 @@ class _OpenAIRoute(_GenerateRoute):
                     resp.sse = self._stream(streams, firsts, states, meta, usage)
                     resp.set_header("Cache-Control", "no-cache")
                     return
-                responses = await gather_or_cancel([self._run(name, item) for item in items])
+                responses = await gather_or_cancel([self._run(name, item, priority, tenant) for item in items])
             except BadRequest as exc:
                 raise self._refused(body, exc) from None
             resp.data = _json.encode(self._completion(meta, responses, states, n))

@@ -4,6 +4,7 @@ OpenAI routes, which answer in OpenAI's shape ``{"error": {"message", "type", "p
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import msgspec
 
 from zserve import payload
 from zserve.client import Answer, AsyncClient
-from zserve.errors import BadRequest, ZserveError
+from zserve.errors import BadRequest, RateLimited, ZserveError
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
 from zserve.frontends.limits import Limits
@@ -64,12 +65,37 @@ def error_writer(path: str) -> Callable[..., None]:
 class RequestError(Exception):
     """An HTTP-level rejection (size, syntax, unknown model) before a request reaches the broker."""
 
-    def __init__(self, status: int, type_name: str, message: str, field: str = "") -> None:
+    def __init__(self, status: int, type_name: str, message: str, field: str = "", retry_after_s: int = 0) -> None:
         super().__init__(message)
         self.status = status
         self.type_name = type_name
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s  # a 429's Retry-After (whole seconds)
+
+
+PRIORITY_HEADER = "X-Zserve-Priority"
+
+
+def priority_and_tenant(req: falcon.asgi.Request, priority: int | None = None) -> tuple[int, str]:
+    """A request's priority (``priority`` from its body, else the native routes' ``X-Zserve-Priority`` header,
+    else its API key's default) and its key's tenant ("" without keys). Raises RequestError (400) for a header
+    that is not an integer."""
+    caller = getattr(req.context, "caller", None)
+    if priority is None:
+        header = req.get_header(PRIORITY_HEADER)
+        if header is not None:
+            try:
+                priority = int(header)
+            except ValueError:
+                raise RequestError(
+                    400, "bad_request", f"{PRIORITY_HEADER} must be an integer", PRIORITY_HEADER
+                ) from None
+            if not -1_000_000 <= priority <= 1_000_000:
+                raise RequestError(400, "bad_request", f"{PRIORITY_HEADER} must be within +-1000000", PRIORITY_HEADER)
+    if priority is None:
+        priority = caller.priority if caller is not None else 0
+    return priority, caller.tenant if caller is not None else ""
 
 
 # Deeper than any API body needs, far below what the decoder and the msgpack codec can recurse through (a
@@ -144,6 +170,8 @@ def request_error(exc: BaseException) -> RequestError | None:
         return exc
     if isinstance(exc, payload.PayloadError):  # e.g. an integer past 64 bits: JSON has them, msgpack does not
         return RequestError(400, "bad_request", f"the request cannot travel to the model: {exc}", "body")
+    if isinstance(exc, RateLimited):
+        return RequestError(429, exc.type_name, exc.message, exc.field, max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, ZserveError):
         return RequestError(exc.http_status, exc.type_name, exc.message, exc.field)
     return None
@@ -156,6 +184,8 @@ def answer_error(resp: falcon.asgi.Response, exc: Exception, write: Callable[...
     if error is None:
         raise exc
     write(resp, error.status, error.type_name, error.message, error.field)
+    if error.retry_after_s:
+        resp.set_header("Retry-After", str(error.retry_after_s))
     return error.status
 
 
@@ -231,7 +261,8 @@ class PredictResource:
         try:
             raw = await read_raw(req, self.route.max_body_bytes)
             item = self.route.item(handler, raw, req.content_type or "")
-            answer = await self.route.client.infer(name, item, decoded=True)
+            priority, tenant = priority_and_tenant(req)
+            answer = await self.route.client.infer(name, item, decoded=True, priority=priority, tenant=tenant)
         except Exception as exc:
             return answer_error(resp, exc), 0
         try:

@@ -102,18 +102,42 @@ class AsyncClient:
 
     # ---- public API ----
 
-    async def predict(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Any:
-        return (await self.infer(model, body, timeout_ms=timeout_ms, decoded=False, cost=cost)).value
+    async def predict(
+        self,
+        model: str,
+        body: Any,
+        *,
+        timeout_ms: int | None = None,
+        cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Any:
+        answer = await self.infer(
+            model, body, timeout_ms=timeout_ms, decoded=False, cost=cost, priority=priority, tenant=tenant
+        )
+        return answer.value
 
     async def infer(
-        self, model: str, body: Any, *, timeout_ms: int | None = None, decoded: bool = False, cost: int = 0
+        self,
+        model: str,
+        body: Any,
+        *,
+        timeout_ms: int | None = None,
+        decoded: bool = False,
+        cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
     ) -> Answer:
         """Send one request and await its Answer. ``decoded=True`` means ``body`` is already the output of
         ``decode_request`` (the frontends run it), so the engine runs only ``predict`` and the Answer holds
         the raw output. ``cost``: what the item costs, for a model batched by cost (0: ``cost_of``'s, if
-        any). Cancelling the awaiting task cancels the request in the broker."""
+        any). ``priority`` (lower is more urgent) and ``tenant``: see ``zserve.batching.fair_share``; past the
+        tenant's quota this raises ``RateLimited``. Cancelling the awaiting task cancels the request in the broker."""
         future = asyncio.get_running_loop().create_future()
-        req_id = self.start(model, body, _FutureWaiter(future), timeout_ms=timeout_ms, decoded=decoded, cost=cost)
+        waiter = _FutureWaiter(future)
+        req_id = self.start(
+            model, body, waiter, timeout_ms=timeout_ms, decoded=decoded, cost=cost, priority=priority, tenant=tenant
+        )
         try:
             reply, reply_frames = await future
         except asyncio.CancelledError:
@@ -130,6 +154,8 @@ class AsyncClient:
         timeout_ms: int | None = None,
         decoded: bool = False,
         cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
     ) -> int:
         """Send one request whose answer goes to ``waiter`` instead of a future: for a server that answers
         many requests per event-loop turn without a task or a future each (the frontends' fast HTTP path).
@@ -143,7 +169,7 @@ class AsyncClient:
             cost_fn = self._cost_of.get(model)
             cost = cost_fn(body) if cost_fn is not None else 0
         blocks = self._blocks_of[model](body) if decoded and model in self._blocks_of else []
-        return self._start(model, frames, timeout_ms, decoded, False, waiter, cost, blocks)
+        return self._start(model, frames, timeout_ms, decoded, False, waiter, cost, blocks, priority, tenant)
 
     def cancel(self, req_id: int) -> None:
         """Forget a request started with ``start`` (its waiter is not called) and cancel it in the broker."""
@@ -167,6 +193,8 @@ class AsyncClient:
         model: str,
         timeout_ms: int | None = None,
         decoded: bool = False,
+        priority: int = 0,
+        tenant: str = "",
         **sampling: Any,
     ) -> AsyncGenerationStream:
         """``async for delta in client.generate_stream("...", model="lm")``; ``prompt`` is a text, chat
@@ -175,7 +203,9 @@ class AsyncClient:
         frames = payload.encode(prompt if isinstance(prompt, dict) else prompt_body(prompt, sampling))
         blocks = self._blocks_of[model](prompt) if decoded and model in self._blocks_of else []
         return AsyncGenerationStream(
-            model, lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream, 0, blocks), self._cancel
+            model,
+            lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream, 0, blocks, priority, tenant),
+            self._cancel,
         )
 
     async def health(self, timeout_s: float = 5.0) -> HealthReport:
@@ -214,11 +244,15 @@ class AsyncClient:
         waiter: Any,
         cost: int = 0,
         block_hashes: list[int] | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> int:
         """Register a request and queue its Submit for this turn's message; its req_id."""
         self._socket()  # created lazily, inside the running loop
         timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
-        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream, cost, block_hashes or [])
+        submit = Submit(
+            self._table.new_id(), model, timeout_ms, decoded, stream, cost, block_hashes or [], priority, tenant
+        )
         self._table.add(submit, frames, waiter, time.monotonic())
         self._items.append((submit, frames))
         self._schedule_flush()

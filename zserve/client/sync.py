@@ -112,15 +112,33 @@ class Client:
     # ---- public API ----
 
     def submit(
-        self, model: str, body: Any, *, timeout_ms: int | None = None, meta: bool = False, cost: int = 0
+        self,
+        model: str,
+        body: Any,
+        *,
+        timeout_ms: int | None = None,
+        meta: bool = False,
+        cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
     ) -> concurrent.futures.Future:
         """Send one request; the Future resolves to the response (an ``Answer`` with ``meta=True``) or
         raises a ``ZserveError``. ``cost``: what the item costs to compute (e.g. its tokens), for a model
-        batched by cost (``max_batch_cost``); 0 counts as 1."""
-        return self._submit(model, body, timeout_ms, meta, cost=cost)[0]
+        batched by cost (``max_batch_cost``); 0 counts as 1. ``priority`` (lower is more urgent) and ``tenant``
+        ([[tenants]]): see docs/http-api.md; past the tenant's quota the Future raises ``RateLimited``."""
+        return self._submit(model, body, timeout_ms, meta, cost=cost, priority=priority, tenant=tenant)[0]
 
-    def predict(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Any:
-        return self.submit(model, body, timeout_ms=timeout_ms, cost=cost).result()
+    def predict(
+        self,
+        model: str,
+        body: Any,
+        *,
+        timeout_ms: int | None = None,
+        cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Any:
+        return self.submit(model, body, timeout_ms=timeout_ms, cost=cost, priority=priority, tenant=tenant).result()
 
     def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Answer:
         """Like ``predict``, with the batch size and queue time the request saw."""
@@ -191,12 +209,14 @@ class Client:
         meta: bool,
         chunks: queue.SimpleQueue | None = None,
         cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
     ) -> tuple[concurrent.futures.Future, int]:
         frames = payload.encode(body)
         timeout_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = self._table.new_id()  # itertools.count: atomic under the GIL
-        submit = Submit(req_id, model, timeout_ms or 0, False, chunks is not None, cost)
+        submit = Submit(req_id, model, timeout_ms or 0, False, chunks is not None, cost, [], priority, tenant)
         with self._lock:
             self._check_open()
             first = not self._submits and not self._cancels
