@@ -7,7 +7,8 @@ embed_dtype on a small model (DRY=1). It proves the device script gets past its 
 The virtualenv reuses the test environment's installed packages instead of downloading them again: a folder of
 links to each wanted distribution's files (their RECORD), named in a .pth file. Short in CI (the wheels, the
 versions and every import the checks take, embed_dtype; 81 s on 2 shared cores); ZSERVE_SLOW=1 runs every dry
-part (minutes)."""
+part, over the image's versions of transformers (5.17.0) and sentence-transformers (6.0.1) from the registry
+(about 7 minutes on 2 shared cores)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 SLOW = os.environ.get("ZSERVE_SLOW") == "1"
 IMAGE_ROOTS = ("torch", "triton", "transformers", "sentence-transformers", "numpy")
 ABSENT = {"pyzmq", "msgspec"}  # what the image lacks, carried as wheels
+# ZSERVE_SLOW=1: the image's own versions of the model libraries over the linked ones (from the registry; what
+# transformers 5.17 needs beside them, which 5.24 no longer does: huggingface-hub 1.x, httpx)
+IMAGE_PINS = ["transformers==5.17.0", "sentence-transformers==6.0.1", "huggingface-hub==1.33.0", "httpx", "httpcore",
+              "certifi"]  # fmt: skip
 
 
 def _norm(name: str) -> str:
@@ -80,6 +85,9 @@ def test_the_device_script_runs_in_a_stand_in_for_the_gpu_image(tmp_path):
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr
     assert sum(w.stat().st_size for w in wheels.glob("*.whl")) < 8 << 20  # carried beside a 64 MiB tree
     python = image_venv(tmp_path)
+    if SLOW:
+        pins = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", *IMAGE_PINS]
+        subprocess.run(pins, check=True, capture_output=True, timeout=600)
     probe = "import importlib.util as u; print([m for m in ('zmq', 'msgspec', 'torch', 'triton', 'transformers', "
     probe += "'sentence_transformers') if u.find_spec(m)])"
     seen = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=60)
@@ -96,6 +104,8 @@ def test_the_device_script_runs_in_a_stand_in_for_the_gpu_image(tmp_path):
     assert run.returncode == 0, log[-4000:]
     versions = json.loads((out / "versions.json").read_text())
     assert versions["zserve_imports"] == "ok" and "missing" not in versions["msgspec"] + versions["zmq"], versions
+    if SLOW:
+        assert (versions["transformers"], versions["sentence_transformers"]) == ("5.17.0", "6.0.1"), versions
     embed = json.loads((out / "embed_dtype.json").read_text())
     assert [r["path"] for r in embed] == ["zserve", "zserve"]
     if SLOW:
