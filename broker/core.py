@@ -58,6 +58,7 @@ from zserve.protocol import (
     StepOutput,
     Submit,
     Submits,
+    TenantHealth,
 )
 
 log = logging.getLogger("zserve.broker")
@@ -528,7 +529,19 @@ class BrokerCore:
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
             [self._model_health(m.name) for m in self.config.models],
+            self._tenant_health() if self.tenant_counts else [],
         )
+
+    def _tenant_health(self) -> list[TenantHealth]:
+        served: dict[str, dict[str, int]] = {}
+        for model, fair in self.scheduler.fair.items():
+            for tenant, cost in fair.served.items():
+                if tenant:
+                    served.setdefault(tenant, {})[model] = cost
+        return [
+            TenantHealth(name, admitted, refused, served.get(name, {}))
+            for name, (admitted, refused) in sorted(self.tenant_counts.items())
+        ]
 
     def start_draining(self, now: float, handover: bool = False) -> None:
         """Stop. ``handover=False`` (`zserve up` stopping): refuse new requests (SHUTTING_DOWN), finish the

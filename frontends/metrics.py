@@ -144,6 +144,26 @@ class BrokerCollector:
                 waiting.add_metric([m.name, "engine"], m.queue_depth)
         yield from (depth, in_flight, ready, busy, waiting, workers, running, free_kv, cost, padded_cost, *generative)
         yield from _routing(self.report)
+        yield from _tenants(self.report)
+
+
+def _tenants(report: HealthReport) -> Iterator[CounterMetricFamily]:
+    """Per tenant (docs/http-api.md#priorities-tenants-and-quotas), since the broker started."""
+    admitted = CounterMetricFamily("zserve_tenant_admitted", "Requests admitted, per tenant", labels=["tenant"])
+    limited = CounterMetricFamily(
+        "zserve_tenant_rate_limited", "Requests answered 429, past one of the tenant's quotas", labels=["tenant"]
+    )
+    served = CounterMetricFamily(
+        "zserve_tenant_served_cost",
+        "Cost (tokens, else requests) taken from a model's queue for the tenant: its fair share",
+        labels=["model", "tenant"],
+    )
+    for t in report.tenants:
+        admitted.add_metric([t.name], t.admitted)
+        limited.add_metric([t.name], t.rate_limited)
+        for model, cost in t.served_cost.items():
+            served.add_metric([model, t.name], cost)
+    yield from (admitted, limited, served)
 
 
 def _routing(report: HealthReport) -> Iterator[CounterMetricFamily]:

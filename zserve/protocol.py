@@ -177,11 +177,21 @@ class ModelHealth(msgspec.Struct, array_like=True, gc=False):
     versions: list[str] = []  # its ready engines' library versions (Hello.versions), each distinct line once
 
 
+class TenantHealth(msgspec.Struct, gc=False):
+    """One tenant's requests since the broker started (``[[tenants]]``, or named by a direct client)."""
+
+    name: str
+    admitted: int = 0
+    rate_limited: int = 0  # answered RATE_LIMITED (past one of its quotas)
+    served_cost: dict[str, int] = {}  # model -> cost taken from its queue (the fair share's measure)
+
+
 class HealthReport(Msg, tag=5):
     query_id: int
     epoch: int  # random per broker start: a change tells a client the broker restarted
     draining: bool
     models: list[ModelHealth] = []
+    tenants: list[TenantHealth] = []
 
 
 # ---- workers <-> broker ----

@@ -67,11 +67,15 @@ def _headers(key: str, priority: int | None = None) -> dict[str, str]:
     return headers
 
 
-def _queue_depth(d: Deployment) -> float:
+def _metric(d: Deployment, name: str, labels: str) -> float:
     status, _, text = d.request("GET", "/metrics", None, _headers(APP_KEY))
     assert status == 200
-    match = re.search(r'^zserve_queue_depth\{model="slow"\} (\S+)$', text, re.M)
+    match = re.search(rf"^{name}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
+
+
+def _queue_depth(d: Deployment) -> float:
+    return _metric(d, "zserve_queue_depth", 'model="slow"')
 
 
 @pytest.mark.parametrize("priority", [None, 0], ids=["fast-path", "falcon-route"])
@@ -96,6 +100,11 @@ def test_a_tenant_past_its_rate_gets_429_naming_the_quota(deployment, priority):
         assert "capped" in error["message"]
     status, _, _ = d.request("POST", "/v1/models/slow/predict", {"i": -1}, _headers(APP_KEY))
     assert status == 200  # other tenants are not limited
+    deadline = time.monotonic() + 10  # /metrics reads the broker's report, cached for a moment
+    while _metric(d, "zserve_tenant_rate_limited_total", 'tenant="capped"') < len(refused):
+        assert time.monotonic() < deadline, "the 429s are not counted in /metrics"
+        time.sleep(0.2)
+    assert _metric(d, "zserve_tenant_admitted_total", 'tenant="capped"') >= len(ok)
 
 
 def test_an_urgent_request_is_answered_before_the_background_queued_ahead(deployment):

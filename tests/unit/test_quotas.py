@@ -93,6 +93,8 @@ def test_broker_answers_rate_limited_past_requests_per_s() -> None:
     send(core, b"c", [50], 0.2, tenant="capped")  # the bucket has refilled one request
     clients, _ = core.flush()
     assert replies(clients, b"c") == []
+    report = core.health(1)
+    assert [(t.name, t.admitted, t.rate_limited) for t in report.tenants] == [("capped", 6, 3), ("free", 1, 0)]
 
 
 def test_broker_max_concurrent_counts_pending_requests_until_answered() -> None:
