@@ -140,9 +140,19 @@ class Client:
     ) -> Any:
         return self.submit(model, body, timeout_ms=timeout_ms, cost=cost, priority=priority, tenant=tenant).result()
 
-    def infer(self, model: str, body: Any, *, timeout_ms: int | None = None, cost: int = 0) -> Answer:
+    def infer(
+        self,
+        model: str,
+        body: Any,
+        *,
+        timeout_ms: int | None = None,
+        cost: int = 0,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Answer:
         """Like ``predict``, with the batch size and queue time the request saw."""
-        return self.submit(model, body, timeout_ms=timeout_ms, meta=True, cost=cost).result()
+        future = self.submit(model, body, timeout_ms=timeout_ms, meta=True, cost=cost, priority=priority, tenant=tenant)
+        return future.result()
 
     def generate(
         self, prompts: str | list[str], *, model: str, timeout_ms: int | None = None, **sampling: Any
