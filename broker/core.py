@@ -275,12 +275,14 @@ class BrokerCore:
     def _refuse_if_late(self, request: Request, stats: ModelStats, timeout_s: float) -> None:
         """Deadline-aware admission: refuse (OVERLOADED, at once) a request that the queue ahead of it, at
         the measured compute time per item, would keep past its deadline: it would be computed for nobody.
-        Generative models are not judged (a sequence's time depends on its output length)."""
+        Generative models are not judged (a sequence's time depends on its output length). A request more urgent
+        than the default (priority < 0) goes before the default-priority queue, so only what is in flight counts
+        for it; the estimate does not model tenants' shares or the aging of less urgent requests."""
         model = request.model
         depth = self.scheduler.depth(model)
         if 2.0 * depth * stats.drain_s_per_item <= timeout_s or model in self.generative:
             return  # the usual case, without counting what is in flight (at most credits x a batch)
-        ahead = depth - 1 + self.pool.in_flight_items(model)  # depth counts this request
+        ahead = (0 if request.priority < 0 else depth - 1) + self.pool.in_flight_items(model)  # depth counts this one
         wait_s = ahead * stats.drain_s_per_item + stats.item_s
         if wait_s <= timeout_s:
             return

@@ -148,3 +148,17 @@ def test_tenants_config_is_checked() -> None:
         parse_config(CONFIG + '\n[[tenants]]\nname = "free"\n')
     with pytest.raises(Exception, match="weight"):
         parse_config(CONFIG.replace("weight = 3", "weight = 0"))
+
+
+def test_an_urgent_request_is_not_refused_for_the_queue_it_goes_before() -> None:
+    core = make()
+    hello(core, b"w", credits=1)
+    core.stats["m"].item_s = core.stats["m"].drain_s_per_item = 0.1  # 100 ms per item, one engine
+    send(core, b"c", [1, 2, 3, 4, 5, 6], 0.0)
+    send(core, b"c", [7], 0.0, timeout_ms=300)  # 6 ahead x 100 ms > 300 ms: refused
+    send(core, b"c", [8], 0.0, timeout_ms=300, priority=-1)  # nothing in flight, goes first: admitted
+    [(refused, _)] = replies(core.flush()[0], b"c")
+    assert refused.req_id == 7 and refused.status == Status.OVERLOADED
+    core.tick(0.0)
+    [batch] = batches(core.flush()[1])
+    assert [core.requests.get(i).req_id for i in batch.header.item_ids] == [8, 1]
