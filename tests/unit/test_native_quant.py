@@ -80,4 +80,4 @@ def test_a_quant_linear_computes_with_its_dequantised_weight(out, k):
 def test_an_unknown_quantization_is_refused_by_name():
     with pytest.raises(ValueError, match="'int4'"):
         quant_linear.check("int4")
-    assert quant_linear.check("int8") == "int8"
+    assert [quant_linear.check(q) for q in ("auto", "none", "int8")] == ["auto", "none", "int8"]

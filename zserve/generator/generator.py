@@ -77,6 +77,9 @@ class GeneratorOptions:
     # as "onednn"), "onednn" (weights prepacked once for oneDNN, cpu_linear.py) or "torch"
     cpu_linear: str = "auto"
     cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
+    # on a CPU: "int8" (a checkpoint's linear layers but the LM head quantised at load, quant_linear.py),
+    # "auto" (a GGUF's Q8_0 tensors kept as they are, else as loaded) or "none" (every weight dequantised)
+    quantization: str = "auto"
     model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
     cuda_graphs: bool = True  # decode-only steps replay CUDA graphs where they apply (cuda_graphs.py)
     # what one schema's grammar may cost to compile, and what the compiled grammars' cache keeps
@@ -129,12 +132,21 @@ class Generator:
 
         path = resolve_model_path(path)
         dtype = resolved_dtype(dtype, device)
+        if options.quantization == "int8" and (device != "cpu" or options.tensor_parallel != 1):
+            raise ValueError(
+                f"quantization 'int8' runs on a CPU in one process, not on {device} with tensor_parallel "
+                f"{options.tensor_parallel}"
+            )
         if gguf_file:
             path = str(converted_path(path, gguf_file, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
         if options.tensor_parallel == 1:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
             model = own_model(model, options.model_impl)
+            if options.quantization == "int8":
+                from zserve.generator import quant_linear
+
+                quant_linear.quantize(model)  # before packing: what stays an nn.Linear (the LM head) is packed
             if options.cpu_linear != "torch" and cpu_linear.available(model):
                 rows = (1, 4, options.max_running, options.max_batched_tokens)  # the row buckets it runs
                 cpu_linear.prepack(model, options.cpu_linear, rows=rows, head_rows=options.max_running)

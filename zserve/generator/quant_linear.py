@@ -18,7 +18,9 @@ from zserve.generator import native_quant
 
 log = logging.getLogger("zserve.engine")
 
-QUANTIZATIONS = ("none", "int8")
+# "auto": a GGUF's quantised tensors kept as they are (Q8_0), everything else as loaded; "none": every weight
+# dequantised (fp32/bf16, as before); "int8": a checkpoint's linear layers quantised at load
+QUANTIZATIONS = ("auto", "none", "int8")
 
 
 def check(quantization: str) -> str:
@@ -38,10 +40,11 @@ class QuantLinear(nn.Module):
         self.isa = native_quant.default_isa()
         self.native = native_quant.applies(self.out_features, self.in_features, self.isa)
         if self.native:
-            self.q, self.s = native_quant.pack(q, s, self.isa)
-        else:
-            self.q, self.s = q.contiguous(), s.float().contiguous()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+            q, s = native_quant.pack(q, s, self.isa)
+        # buffers, not parameters: in the module's state and moved with it, never trained
+        self.register_buffer("q", q.contiguous(), persistent=False)
+        self.register_buffer("s", s.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> QuantLinear:

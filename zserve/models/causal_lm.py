@@ -19,6 +19,9 @@ budget per step), ``max_running`` (sequences per step; also the broker's limit p
 started, among a C kernel compiled on first use, oneDNN and torch, the weights packed once; "native": the C
 kernel; "onednn": prepacked for oneDNN; "torch": as loaded),
 ``cpu_attention`` ("native": on a CPU decodes attend through a C kernel compiled on first use; "torch"),
+``quantization`` (on a CPU: "int8" quantises the linear layers but the LM head at load, per output channel,
+kept int8 in memory and run through a C kernel; "auto": a GGUF's Q8_0 tensors kept as they are; "none":
+every weight dequantised; see docs/generation.md),
 ``cuda_graphs`` (on CUDA, decode-only steps replay graphs captured at start; see docs/generation.md),
 and ``tool_parser`` (how /v1/chat/completions reads the model's own tool calls under ``tool_choice: auto``:
 "hermes" for ``<tool_call>{...}</tool_call>``, "llama3" for Llama 3's JSON calls, "auto": from the chat
@@ -57,6 +60,7 @@ class CausalLM(Model):
         tensor_parallel: int = 1,
         cpu_linear: str = "auto",
         cpu_attention: str = "native",
+        quantization: str = "auto",
         model_impl: str = "auto",
         tool_parser: str = "auto",
         cuda_graphs: bool = True,
@@ -69,7 +73,7 @@ class CausalLM(Model):
             block_size=block_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
             chunked_prefill=chunked_prefill, prefix_caching=prefix_caching, max_new_tokens=max_new_tokens,
             tensor_parallel=tensor_parallel, cpu_linear=cpu_linear, cpu_attention=cpu_attention,
-            model_impl=model_impl, tool_parser=tool_parser, cuda_graphs=cuda_graphs,
+            quantization=quantization, model_impl=model_impl, tool_parser=tool_parser, cuda_graphs=cuda_graphs,
             grammar_compile_s=grammar_compile_s, grammar_memory_mb=grammar_memory_mb, grammar_cache_mb=grammar_cache_mb,
         )  # fmt: skip
         if not path:
@@ -80,6 +84,8 @@ class CausalLM(Model):
             raise ValueError(f"cpu_linear {cpu_linear!r} must be auto, native, onednn or torch")
         if cpu_attention not in ("native", "torch"):
             raise ValueError(f"cpu_attention {cpu_attention!r} must be native or torch")
+        if quantization not in ("auto", "none", "int8"):
+            raise ValueError(f"quantization {quantization!r} must be auto, none or int8")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r} must be one of auto, float32, bfloat16, float16")
         if model_impl not in ("auto", "zserve", "transformers"):
@@ -110,6 +116,7 @@ class CausalLM(Model):
             chunked_prefill=bool(o["chunked_prefill"]), prefix_caching=bool(o["prefix_caching"]),
             max_new_tokens=int(o["max_new_tokens"]), tensor_parallel=int(o["tensor_parallel"]),
             cpu_linear=str(o["cpu_linear"]), cpu_attention=str(o["cpu_attention"]), model_impl=str(o["model_impl"]),
+            quantization=str(o["quantization"]),
             cuda_graphs=bool(o["cuda_graphs"]),
             grammar=CompileBudget(time_s=float(o["grammar_compile_s"]), memory_bytes=int(o["grammar_memory_mb"]) << 20,
                                   cache_bytes=int(o["grammar_cache_mb"]) << 20),

@@ -1,0 +1,65 @@
+"""``quantization = "int8"`` on the generative engine: a tiny Llama's linear layers kept int8 in memory
+generate, greedily, what the same model generates in fp32 with the dequantised weights, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tinylm import build_tiny_lm
+
+import zserve
+from zserve.generator import c_build, native_quant, quant_linear
+
+PROMPTS = ["DeepSpeed is", "Seattle is a city", "zserve batches many small", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("tinylm"))
+
+
+@pytest.fixture(scope="module")
+def dequantized_path(tiny_path, tmp_path_factory):
+    """The same checkpoint with every linear weight but the LM head replaced by what int8 stands for: per
+    output channel, so q/k/v (and gate/up) quantise alike whether merged (our model) or not (this file)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear and not name.endswith("lm_head"):
+                module.weight.copy_(native_quant.dequantize(*native_quant.quantize_rows(module.weight)))
+    out = tmp_path_factory.mktemp("dequantized")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(out)
+    return out
+
+
+def _pipe(path, **options):
+    return zserve.pipeline(
+        "zserve.models.causal_lm:CausalLM", path=str(path), block_size=8, num_blocks=256, cpu_linear="native", **options
+    )
+
+
+def test_int8_generates_what_the_dequantised_fp32_model_does(tiny_path, dequantized_path):
+    int8 = _pipe(tiny_path, quantization="int8")
+    fp32 = _pipe(dequantized_path, quantization="none")
+    model = int8.model.generator.core.model
+    layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
+    assert len(layers) == 2 * 4  # qkv, o_proj, gate_up, down_proj of each of 2 layers; not the LM head
+    assert all(layer.native for layer in layers) == c_build.has_compiler()
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # the LM head packed, as fp32 is
+    packed, fp32_bytes = quant_linear.weight_bytes(model)
+    assert packed <= 0.3 * fp32_bytes  # int8 and one fp32 scale per 32 weights: 0.28x
+    got = int8(PROMPTS, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    want = fp32(PROMPTS, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    for g, w in zip(got, want, strict=True):
+        assert [t.token for t in g.logprobs] == [t.token for t in w.logprobs]
+        # the same sums in the same order (the int8 kernel multiplies each weight back before its FMA)
+        assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
+        assert g.generated_text == w.generated_text
+
+
+def test_an_unknown_quantization_is_an_error_naming_it(tiny_path):
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        _pipe(tiny_path, quantization="int4")
