@@ -148,7 +148,7 @@ class Generator:
 
                 quant_linear.quantize(model)  # before packing: what stays an nn.Linear (the LM head) is packed
             if options.cpu_linear != "torch" and cpu_linear.available(model):
-                rows = (1, 4, options.max_running, options.max_batched_tokens)  # the row buckets it runs
+                rows = (1, 2, 8, 32, options.max_running, options.max_batched_tokens)  # the row buckets it runs
                 cpu_linear.prepack(model, options.cpu_linear, rows=rows, head_rows=options.max_running)
             return cls(model, tokenizer, options)
         from zserve.generator.tensor_parallel import TensorParallelGroup, check_divisible, load_sharded
