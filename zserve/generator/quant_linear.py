@@ -34,16 +34,20 @@ class QuantLinear(nn.Module):
     """``nn.Linear``'s forward (inference only) on w = q * s: q int8 [N, K], one fp32 scale per output and
     block of 32 inputs. Holds the kernel's panels where it applies, else q and s as given."""
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, m: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.isa = native_quant.default_isa()
         self.native = native_quant.applies(self.out_features, self.in_features, self.isa)
         if self.native:
             q, s = native_quant.pack(q, s, self.isa)
+            m = None if m is None else native_quant.pack_blocks(m, self.isa)
         # buffers, not parameters: in the module's state and moved with it, never trained
         self.register_buffer("q", q.contiguous(), persistent=False)
         self.register_buffer("s", s.float().contiguous(), persistent=False)
+        self.register_buffer("m", None if m is None else m.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     @classmethod
@@ -53,26 +57,29 @@ class QuantLinear(nn.Module):
         return cls(q, s, linear.bias)
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
-        """Weights already in blocks (q int8 [N, K], s [N, K/32], fp16 or fp32): GGUF's Q8_0."""
-        return cls(q, s, bias)
+    def from_blocks(
+        cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> QuantLinear:
+        """Weights already in blocks (q int8 [N, K], s and m [N, K/32]: GGUF's blocks, see ``gguf_quant``)."""
+        return cls(q, s, bias, m)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] this layer computes with."""
         if not self.native:
-            return native_quant.dequantize(self.q, self.s)
+            return native_quant.dequantize(self.q, self.s, self.m)
         panels, k, width = self.q.shape
         q = self.q.transpose(1, 2).reshape(panels * width, k)
         s = self.s.transpose(1, 2).reshape(panels * width, k // native_quant.BLOCK)
-        return native_quant.dequantize(q, s)
+        m = None if self.m is None else self.m.transpose(1, 2).reshape(panels * width, k // native_quant.BLOCK)
+        return native_quant.dequantize(q, s, m)
 
     def weight_bytes(self) -> int:
-        """What its weights take in memory: int8 values and fp32 scales."""
-        return self.q.numel() * self.q.element_size() + self.s.numel() * self.s.element_size()
+        """What its weights take in memory: int8 values, fp32 scales (and minimums)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.m) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return native_quant.linear(x, self.q, self.s, self.bias, self.isa).to(x.dtype)
+            return native_quant.linear(x, self.q, self.s, self.bias, self.isa, self.m).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
 
