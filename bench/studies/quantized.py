@@ -33,14 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,8")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quantization", default="auto", help="against none: auto (the file's blocks) or int8")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     options = GeneratorOptions(num_blocks=512, max_batched_tokens=1024, max_running=64, cpu_linear="native")
     engines = {
         q: Generator.load(args.path, gguf_file=args.gguf_file, options=replace(options, quantization=q))
-        for q in ("none", "auto")
+        for q in ("none", args.quantization)
     }
-    kept, fp32 = quant_linear.weight_bytes(engines["auto"].core.model)
+    kept, fp32 = quant_linear.weight_bytes(engines[args.quantization].core.model)
     mib = 2**20
     print(f"ISA {c_build.isa().name}, 1 thread; linear weights kept {kept / mib:.1f} MiB, fp32 {fp32 / mib:.1f} MiB")
     for b in (int(x) for x in args.batch.split(",")):
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                 engine.core.abort(i)
         best = {q: min(t) * 1e3 for q, t in times.items()}
         med = {q: statistics.median(t) * 1e3 for q, t in times.items()}
-        print(f"B={b}: fp32 best {best['none']:.1f} ms (median {med['none']:.1f}), quantised best "
-              f"{best['auto']:.1f} ms (median {med['auto']:.1f}): {best['none'] / best['auto']:.2f}x")  # fmt: skip
+        q = args.quantization
+        print(f"B={b}: fp32 best {best['none']:.1f} ms (median {med['none']:.1f}), {q} best "
+              f"{best[q]:.1f} ms (median {med[q]:.1f}): {best['none'] / best[q]:.2f}x")  # fmt: skip
     for engine in engines.values():
         engine.close()
     return 0
