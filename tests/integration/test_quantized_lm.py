@@ -3,6 +3,8 @@ generate, greedily, what the same model generates in fp32 with the dequantised w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tinylm import build_tiny_lm
@@ -103,3 +105,24 @@ def test_a_gguf_keeps_its_q4_1_blocks_which_stand_for_the_dequantised_weights(sm
         first = next((i for i, (a, b) in enumerate(zip(tokens_g, tokens_w, strict=True)) if a != b), len(tokens_g))
         same, total = same + first, total + len(tokens_g)
     assert same >= 0.9 * total
+
+
+def test_a_q8_0_gguf_is_served_with_its_blocks_kept(tmp_path):
+    from gguf_requant import requantize
+
+    from zserve.gguf_cache import resolve_model_path
+
+    source = Path(resolve_model_path(SMOLLM2[0])) / SMOLLM2[1]
+    name = "SmolLM2-135M-Instruct.Q8_0.gguf"
+    requantize(source, tmp_path / name, "Q4_1", "Q8_0")  # every linear layer Q8_0 (and the embedding)
+    options = {"path": str(tmp_path), "gguf_file": name, "num_blocks": 256, "cpu_linear": "native"}
+    runs = {q: zserve.pipeline("zserve.models.causal_lm:CausalLM", **options, quantization=q) for q in ("auto", "none")}
+    model = runs["auto"].model.generator.core.model
+    layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
+    assert len(layers) == 4 * len(model.layers) and all(layer.m is None for layer in layers)  # Q8_0: no minimums
+    packed, fp32_bytes = quant_linear.weight_bytes(model)
+    assert packed <= 0.3 * fp32_bytes  # 1.125 bytes a weight
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    got, want = (runs[q](prompts, max_new_tokens=24, ignore_eos=True) for q in ("auto", "none"))
+    # Q8_0 multiplies back exactly what transformers dequantises, summed in the fp32 kernel's order
+    assert [r.generated_text for r in got] == [r.generated_text for r in want]
