@@ -95,18 +95,20 @@ def blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Blocks:
     return Blocks(q, s, m)
 
 
-def read(path: Path) -> dict[str, tuple[str, np.ndarray, int, int]]:
-    """Every 2-D tensor of the file: name -> (type name, raw bytes, rows, columns). GGUF lists a tensor's
-    dimensions innermost first: [K, N] for an [N, K] weight."""
+def read(path: Path) -> tuple[str, dict[str, tuple[str, np.ndarray, int, int]]]:
+    """The file's ``general.architecture`` and every 2-D tensor of it: name -> (type name, raw bytes, rows,
+    columns). GGUF lists a tensor's dimensions innermost first: [K, N] for an [N, K] weight."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = "" if field is None else bytes(field.parts[field.data[0]]).decode()
     out = {}
     for t in reader.tensors:
         if len(t.shape) == 2:
             cols, rows = (int(d) for d in t.shape)
             out[t.name] = (t.tensor_type.name, t.data, rows, cols)
-    return out
+    return architecture, out
 
 
 def unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -146,7 +148,10 @@ def keep_quantized(model: torch.nn.Module, gguf_path: Path) -> int:
         log.warning("quantised GGUF weights are kept for zserve's Llama-family model only: %s is dequantised",
                     type(model).__name__)  # fmt: skip
         return 0
-    tensors = read(gguf_path)
+    architecture, tensors = read(gguf_path)
+    # llama.cpp's converter permutes q/k rows for "llama" files only (Mistral's included), as transformers'
+    # loader undoes for that architecture only: a Qwen2/Qwen3 file's rows are in the checkpoint's own order.
+    permuted = architecture == "llama"
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -161,7 +166,7 @@ def keep_quantized(model: torch.nn.Module, gguf_path: Path) -> int:
                              ", ".join(SUPPORTED))  # fmt: skip
                     break
                 b = blocks(raw, type_name, rows, cols)
-                if name in ("attn_q", "attn_k"):
+                if permuted and name in ("attn_q", "attn_k"):
                     h = heads if name == "attn_q" else kv_heads
                     b = Blocks(*(None if t is None else unpermute_rows(t, h) for t in (b.q, b.s, b.m)))
                 parts.append(b)
