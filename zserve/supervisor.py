@@ -37,6 +37,7 @@ from zserve.errors import EXIT_CANNOT_LOAD, BrokerUnavailable
 from zserve.frontend_reload import ReloadError, RollingReload
 from zserve.plan import ChildSpec, Deployment
 from zserve.state import ProcessState, SupervisorState, write_state
+from zserve.transport import child_env
 
 log = logging.getLogger("zserve.supervisor")
 
@@ -190,7 +191,7 @@ class Supervisor:
 
     def start(self, child: Child) -> None:
         child.restart_at = None
-        env = child.spec.environ(dict(os.environ))
+        env = child_env(child.spec.environ(dict(os.environ)))
         if child.role == "frontend":
             env.update(self.plan.frontend_env(self.probe_key))
             metrics_dir = self.plan.metrics_dir  # a fresh one at each start: no dead workers' figures

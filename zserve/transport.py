@@ -75,8 +75,21 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PARENT_PID_ENV = "ZSERVE_PARENT_PID"
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: ours) for a child that calls ``die_with_parent``: it names us as the parent, so the
+    child can tell its parent died before it asked to be told, even when we are PID 1 (a container's init)."""
+    out = dict(os.environ if env is None else env)
+    out[PARENT_PID_ENV] = str(os.getpid())
+    return out
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send ``sig`` when our parent exits, so no child outlives its supervisor."""
+    # Taken out of our environment, so that our own children do not read our parent's pid as theirs.
+    expected = os.environ.pop(PARENT_PID_ENV, "")
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -84,5 +97,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect; we were re-parented to init
+    # The parent died before prctl took effect, and we were re-parented. Without the parent's pid, a parent
+    # of 1 is taken for that; with it, a parent that is PID 1 itself (a container's init) is not.
+    parent = os.getppid()
+    if (parent != int(expected)) if expected.isdigit() else (parent == 1):
         os.kill(os.getpid(), sig)

@@ -237,6 +237,11 @@ class GrammarService:
 
     def _finish(self, key: str, compiled: Any, error: BadRequest | None) -> None:
         with self._lock:
+            if compiled is None and error is None and any(not t.cancelled for t in self._waiting.get(key, ())):
+                # Dropped because every ticket was cancelled, but one for the same schema joined since (a
+                # client retrying at once): it queued no job of its own, so compile again for it.
+                self._jobs.put(key)
+                return
             tickets = self._waiting.pop(key, [])
             if compiled is not None:
                 self._remember(key, compiled)
@@ -269,10 +274,12 @@ class _Child:
 
     @classmethod
     def start(cls, info_json: str, memory_bytes: int) -> _Child:
+        from zserve.transport import child_env  # not at the top: the GPU check imports the generator without zmq
+
         ours, theirs = socket.socketpair()
         process = subprocess.Popen(
             [sys.executable, "-m", "zserve.generator.grammar_compile", str(theirs.fileno()), str(memory_bytes)],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=child_env(),
         )  # fmt: skip
         theirs.close()
         return cls(process, Connection(ours.detach()), info_json)

@@ -126,11 +126,15 @@ class TensorParallelGroup:
         saved_env = {name: os.environ.get(name) for name in _ENV}
         store_dir = tempfile.mkdtemp(prefix="zserve-tp-")
         spec = GroupSpec(size, os.path.join(store_dir, "rendezvous"), path, dtype, device, model_impl)
+        from zserve.transport import child_env  # here, not at the top: the GPU check imports us without zmq
+
         followers = []
         for rank in range(1, size):
             argv = ["--rank", str(rank), "--size", str(size), "--store", spec.store, "--path", path, "--dtype", dtype]
             argv += ["--device", device, "--model-impl", model_impl]
-            followers.append(subprocess.Popen([sys.executable, "-m", "zserve.generator.tensor_parallel", *argv]))
+            followers.append(
+                subprocess.Popen([sys.executable, "-m", "zserve.generator.tensor_parallel", *argv], env=child_env())
+            )
         try:
             control = _join(0, spec)
         except BaseException:
