@@ -173,15 +173,17 @@ class GenerationRunner:
         batch_id = admitted.batch_id
 
         def on_done(compiled: Any, error: ZserveError | None) -> None:
+            # Under the lock up to the put: an abort either finds the id here, or comes after the add in the
+            # inbox (else the step thread would abort an unknown id, then add a sequence nobody waits for).
             with self._compiling_lock:
                 if batch_id not in self._compiling:
                     return  # aborted meanwhile
                 del self._compiling[batch_id]
-            if error is not None:
-                self.outbox.put(("fail", batch_id, Failure(error.status, error.message, error.field)))
-            else:
-                admitted.prompt = admitted.prompt.with_grammar(compiled)
-                self.inbox.put(("add", admitted))
+                if error is not None:
+                    self.outbox.put(("fail", batch_id, Failure(error.status, error.message, error.field)))
+                else:
+                    admitted.prompt = admitted.prompt.with_grammar(compiled)
+                    self.inbox.put(("add", admitted))
 
         with self._compiling_lock:
             self._compiling[batch_id] = None
@@ -192,22 +194,22 @@ class GenerationRunner:
             elif ticket is not None:  # aborted while it was being submitted
                 ticket.cancel()
 
-    def _cancel_compiles(self, batch_ids: list[int] | None) -> None:
-        """Compiles nobody waits for any more stop (a cancelled one that no other request shares is killed)."""
+    def _cancel_compiles(self, batch_ids: list[int] | None, then: tuple[str, Any]) -> None:
+        """Compiles nobody waits for any more stop (a cancelled one that no other request shares is killed),
+        and ``then`` goes to the step thread, in the same hold of the lock as ``on_done``'s put (see there)."""
         with self._compiling_lock:
             ids = list(self._compiling) if batch_ids is None else [b for b in batch_ids if b in self._compiling]
             tickets = [self._compiling.pop(b) for b in ids]
+            self.inbox.put(then)
         for ticket in tickets:
             if ticket is not None:
                 ticket.cancel()
 
     def abort(self, batch_ids: list[int]) -> None:
-        self._cancel_compiles(batch_ids)
-        self.inbox.put(("abort", batch_ids))
+        self._cancel_compiles(batch_ids, ("abort", batch_ids))
 
     def reset(self) -> None:
-        self._cancel_compiles(None)
-        self.inbox.put(("reset", None))
+        self._cancel_compiles(None, ("reset", None))
 
     def close(self) -> None:
         """Stop stepping, let the output thread send what the last step made, then stop it."""

@@ -174,3 +174,19 @@ def test_enforceable_schemas_pass_including_keywords_used_as_names():
     ]  # fmt: skip
     for schema in ok:
         assert unenforceable(schema) is None, schema
+
+
+@needs_xgrammar
+def test_a_request_that_joins_a_compile_dropped_for_cancellation_is_still_answered(service):
+    # The interleaving, made by hand: the service's thread found every ticket for a schema cancelled and is
+    # about to drop it, when a request for the same schema joins the waiting list (queuing no job of its own).
+    from zserve.generator.grammar_compile import Ticket
+
+    schema = json.dumps({"type": "object", "properties": {"late": {"type": "boolean"}}})
+    done = threading.Event()
+    answer: list = []
+    with service._lock:
+        service._waiting[schema] = [Ticket(schema, "response_format", lambda c, e: (answer.extend([c, e]), done.set()))]
+    service._finish(schema, None, None)
+    assert done.wait(30), "the request that joined was never answered"
+    assert answer[0] is not None and answer[1] is None
