@@ -88,7 +88,9 @@ def choose(
 def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ...]], budget_s: float):
     isa = c_build.isa()
     key = kernel_choice.cache_key(
-        c_build._cpu_id(), native_linear.source(isa.name), torch.get_num_threads(),
+        # the variants too: a route names one, and renaming or reshaping it need not change the tiles' source
+        c_build._cpu_id(), native_linear.source(isa.name) + repr(native_linear.variants(isa.name)),
+        torch.get_num_threads(),
         [f"{s}@{buckets[s]}" for s in groups], [], f"{torch.__version__} {isa} {c_build.has_compiler()} {_VERSION}",
     )  # fmt: skip
     path = zserve_cache() / "kernels" / f"linear-choice-{key}.json"
