@@ -28,7 +28,7 @@ lint: install
 	$(PY) -m ruff format --check .
 
 test: install lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # The tests that touch the model libraries (sentence-transformers stacks, rerank and classification, generation
 # against HF generate, GGUF loading, structured output, the default deployment end to end), run again at both ends
