@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from zserve.errors import BadRequest
+from zserve.errors import BadRequest, field_of, validation_parts
 
 T = TypeVar("T")
 # Sampling seeds and token counts travel to torch as int64.
@@ -27,11 +27,7 @@ def decode_body(body: Any, type_: type[T]) -> T:
     try:
         return msgspec.convert(body, type_)
     except msgspec.ValidationError as exc:
-        message, _, where = str(exc).partition(" - at `$.")
-        field = where.rstrip("`").split("[", 1)[0].split(".", 1)[0]
-        if "missing required field `" in message:
-            field = message.split("`")[1]
-        raise BadRequest(message, field=field or "body") from None
+        raise BadRequest(validation_parts(exc)[0], field=field_of(exc)) from None
 
 
 # Errors.

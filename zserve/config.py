@@ -12,16 +12,20 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
+
+from zserve.errors import validation_parts
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+T = TypeVar("T")
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HANDLER = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -149,11 +153,6 @@ class FrontendsConfig(_Section, kw_only=True):
     """Larger request bodies are answered 413 `payload_too_large`."""
     graceful_timeout_s: NonNegativeFloat = 10.0
     """On stop, time for in-flight HTTP requests to finish."""
-    # The HTTP server that runs the falcon ASGI app: gunicorn, the only one since granian was removed (it served
-    # 0.38x gunicorn's rate with the fast path and could not take the supervisor's socket). Kept so that files
-    # that say server = "gunicorn" (`zserve serve --print-config` wrote it) still load.
-    server: str = "gunicorn"
-    """The HTTP server that runs the frontends: `"gunicorn"`, the only one (any other value is refused)."""
     api_keys_file: str = ""
     """API keys, one per line (blank lines and `#` comments skipped), read again on SIGHUP; a relative path is taken
     from the directory `zserve up` runs in. `""` = no file (keys may still come from `ZSERVE_API_KEYS`). See [API
@@ -162,11 +161,6 @@ class FrontendsConfig(_Section, kw_only=True):
     """`true`: `/healthz`, `/readyz` and `/metrics` need a key too (when keys are on)."""
 
     def __post_init__(self) -> None:
-        if self.server != "gunicorn":
-            raise ValueError(
-                f"server = {self.server!r}: the granian frontend server was removed; gunicorn is the only one "
-                '(delete the line, or say server = "gunicorn")'
-            )
         if self.workers == 0:
             self.workers = max(1, usable_cores() // 2)
 
@@ -357,31 +351,55 @@ class Endpoints(msgspec.Struct, frozen=True):
     out: str
 
 
-def _readable(exc: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.models[0].max_batch_size`"; name the key the way the file spells it.
-    text = str(exc)
-    match = re.search(r" - at `\$\.?(.*)`$", text)
-    if match:
-        return f"{match.group(1) or '(top level)'}: {text[: match.start()]}"
-    return text
+def _drop_retired_keys(data: Any, source: str) -> None:
+    # [frontends] server chose between gunicorn and granian; granian was removed (0.38x gunicorn's rate with the
+    # fast path, and it could not take the supervisor's socket), and files that `zserve serve --print-config` wrote
+    # say server = "gunicorn": those still load, with a warning. Any other server cannot be honoured.
+    frontends = data.get("frontends") if isinstance(data, dict) else None
+    if not isinstance(frontends, dict) or "server" not in frontends:
+        return
+    server = frontends.pop("server")
+    if server != "gunicorn":
+        raise ConfigError(
+            f"{source}: frontends.server = {server!r}: the granian frontend server was removed; gunicorn is the only "
+            "one (delete the line)"
+        )
+    warnings.warn(
+        f"{source}: frontends.server is deprecated and ignored (gunicorn is the only frontend server); delete the line",
+        FutureWarning,
+        stacklevel=2,
+    )
 
 
-def parse_config(data: bytes | str, source: str = "supervisor.toml") -> Config:
+def decode_toml(data: bytes | str, type_: type[T], source: str) -> T:
+    """``data`` (TOML) as ``type_``; a ConfigError naming the key the way the file spells it."""
     try:
-        return msgspec.toml.decode(data, type=Config)
+        raw = msgspec.toml.decode(data)
+        _drop_retired_keys(raw, source)
+        return msgspec.convert(raw, type_)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_readable(exc)}") from None
+        message, path = validation_parts(exc)
+        raise ConfigError(f"{source}: {path or '(top level)'}: {message}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    path = Path(path)
+def load_toml(path: str | os.PathLike[str], type_: type[T]) -> T:
+    """The TOML file at ``path`` as ``type_`` (``Config``, ``WorkersConfig``); a ConfigError when it is unreadable
+    or invalid."""
     try:
-        data = path.read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    return parse_config(data, str(path))
+    return decode_toml(data, type_, str(path))
+
+
+def parse_config(data: bytes | str, source: str = "supervisor.toml") -> Config:
+    return decode_toml(data, Config, source)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    return load_toml(path, Config)
 
 
 def run_dir_for(config: Config, config_path: str | os.PathLike[str]) -> Path:
@@ -411,7 +429,6 @@ class ServedModel(msgspec.Struct, kw_only=True):
     name: str
     handler: str
     options: dict[str, Any] = {}
-    timeout_ms: int = 30_000
     preprocess: bool = False  # has a preprocess stage: /readyz also waits for one
     max_batch_cost: int = 0  # > 0: the frontends report each item's cost (``Model.cost``) with its Submit
     max_inputs: int = 128  # [limits] max_inputs for this model, resolved
@@ -441,7 +458,6 @@ class FrontendSettings(msgspec.Struct, kw_only=True):
                     name=m.name,
                     handler=m.handler,
                     options=m.options,
-                    timeout_ms=m.timeout_ms,
                     preprocess=m.name in staged,
                     max_batch_cost=m.max_batch_cost,
                     max_inputs=config.limits.inputs_for(m),

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
+import msgspec
+
 from zserve.protocol import Status
+
+# msgspec ends a validation error's text with the path of the value at fault: "... - at `$.models[0].engines`".
+_AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
 
 
 class ZserveError(Exception):
@@ -122,3 +129,21 @@ def error_for(status: Status, message: str, field: str = "", retry_after_ms: int
     if status == Status.RATE_LIMITED:
         return RateLimited(message, field=field, retry_after_s=max(1, retry_after_ms) / 1000.0)
     return _BY_STATUS.get(status, ZserveError)(message, field=field)
+
+
+def validation_parts(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """msgspec's message and the path it names, apart: "Expected `int`, got `str` - at `$.models[0].engines`" is
+    ("Expected `int`, got `str`", "models[0].engines"). The path is "" at the top level (msgspec names none there)."""
+    text = str(exc)
+    match = _AT_PATH.search(text)
+    return (text, "") if match is None else (text[: match.start()], match.group(1))
+
+
+def field_of(exc: msgspec.ValidationError) -> str:
+    """The request field a validation error is about: the one its message names (missing, or unknown to a struct
+    that forbids unknown fields), else the first key of its path, else "body"."""
+    message, path = validation_parts(exc)
+    for named in ("missing required field `", "unknown field `"):
+        if named in message:
+            return message.split(named, 1)[1].split("`", 1)[0]
+    return path.split("[", 1)[0].split(".", 1)[0] or "body"

@@ -22,9 +22,9 @@ from zserve.config import (
     ModelConfig,
     PositiveInt,
     SupervisorConfig,
-    _readable,
     _Section,
     check_tcp_endpoint,
+    load_toml,
 )
 from zserve.devices import check_devices
 from zserve.plan import Deployment, plan
@@ -63,16 +63,7 @@ class WorkersConfig(_Section, kw_only=True):
 
 
 def load_workers_config(path: str | os.PathLike[str]) -> WorkersConfig:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return msgspec.toml.decode(data, type=WorkersConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {_readable(exc)}") from None
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return load_toml(path, WorkersConfig)
 
 
 def worker_host_plan(workers: WorkersConfig, config_path: str | os.PathLike[str]) -> Deployment:

@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from zserve.config import ConfigError, endpoints_for, load_config, parse_config, run_dir_for
+from zserve.errors import field_of, validation_parts
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = '[[models]]\nname = "m"\nhandler = "zserve.models.echo:Echo"\n'
@@ -55,3 +57,24 @@ def test_run_dir_is_derived_from_the_config_path_and_endpoints_can_be_tcp(tmp_pa
     assert tcp.broker.remote_endpoints() == ("tcp://127.0.0.1:5555", "", "")
     with pytest.raises(ConfigError, match="too long"):
         endpoints_for(config, tmp_path / ("x" * 120))
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    input: list[dict[str, int]] = []
+
+
+@pytest.mark.parametrize(
+    ("body", "parts", "field"),
+    [
+        ({"model": "m", "input": [{"a": "b"}]}, ("Expected `int`, got `str`", "input[0][...]"), "input"),
+        ({}, ("Object missing required field `model`", ""), "model"),
+        ({"model": "m", "tools": 1}, ("Object contains unknown field `tools`", ""), "tools"),
+        ({"model": 1}, ("Expected `str`, got `int`", "model"), "model"),
+    ],
+)
+def test_msgspecs_error_text_is_read_in_one_place(body, parts, field):
+    """supervisor.toml's errors and the HTTP bodies' 400s read msgspec's text with the same two functions."""
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.convert(body, _Body)
+    assert validation_parts(info.value) == parts and field_of(info.value) == field

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zserve.config import ConfigError, parse_config
+from zserve.config import ConfigError, parse_config, to_toml
 from zserve.plan import CHILD_ENV, plan
 
 TOML = """
@@ -122,6 +122,9 @@ def test_a_broken_handler_fails_the_plan_by_name(tmp_path):
 
 
 def test_granian_was_removed_with_a_message_naming_the_field():
-    with pytest.raises(ConfigError, match=r"frontends: server = 'granian': the granian frontend server was removed"):
+    with pytest.raises(ConfigError, match=r"frontends.server = 'granian': the granian frontend server was removed"):
         parse_config('[frontends]\nserver = "granian"\n[[models]]\nname = "m"\nhandler = "a:B"\n')
-    assert parse_config('[frontends]\nserver = "gunicorn"\n[[models]]\nname = "m"\nhandler = "a:B"\n')
+    # Files that `zserve serve --print-config` wrote before say server = "gunicorn": still loaded, with a warning.
+    with pytest.warns(FutureWarning, match=r"s.toml: frontends.server is deprecated and ignored"):
+        config = parse_config('[frontends]\nserver = "gunicorn"\n[[models]]\nname = "m"\nhandler = "a:B"\n', "s.toml")
+    assert not hasattr(config.frontends, "server") and "server" not in to_toml(config)

@@ -169,9 +169,6 @@ class WorkerPool:
     def ready_count(self, model: str, role: str = ENGINE) -> int:
         return sum(1 for _ in self._serving(model, role))
 
-    def busy_count(self, model: str, role: str = ENGINE) -> int:
-        return sum(1 for w in self._serving(model, role) if w.in_flight)
-
     def free_credit_total(self, model: str, role: str = ENGINE) -> int:
         return sum(w.free_credits for w in self._serving(model, role))
 
