@@ -125,7 +125,5 @@ class EmbeddingsResource:
             resp.content_type = falcon.MEDIA_JSON
         finally:
             model_metrics = self.metrics.get(name)
-            if model_metrics is not None:  # one count per input, as if each had come to the native route
-                latency_s = time.perf_counter() - started
-                for answer in answers or [None]:
-                    model_metrics.answered(code, latency_s, answer.batch_size if answer else 0)
+            if model_metrics is not None:
+                model_metrics.answered_each(code, time.perf_counter() - started, answers)

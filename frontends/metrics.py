@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from zserve.client.pending import Answer
 from zserve.frontends import prometheus_internals
 from zserve.protocol import HealthReport
 
@@ -227,6 +228,14 @@ class ModelMetrics:
             except RuntimeError:  # no event loop (a script, a test): write now
                 return self.flush()
             self._flush_scheduled = True
+
+    def answered_each(self, code: int, latency_s: float, answers: Sequence[Answer]) -> None:
+        """One count per input of a request that carried several (``/v1/embeddings``, ``/v1/rerank``), each with
+        its own batch size, as if each had come to the native route; one count when none was answered."""
+        if not answers:
+            return self.answered(code, latency_s)
+        for answer in answers:
+            self.answered(code, latency_s, answer.batch_size)
 
     def flush(self) -> None:
         self._flush_scheduled = False

@@ -7,6 +7,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from zserve.client.pending import Answer
 from zserve.frontends import metrics
 from zserve.frontends.metrics import ModelMetrics
 
@@ -58,3 +59,17 @@ def test_without_an_event_loop_every_answer_is_written_at_once():
     assert f'zserve_requests_total{{code="200",model="{model}"}} 1.0' in text
     assert f'zserve_batch_size_bucket{{le="8.0",model="{model}"}} 1.0' in text
     assert f'zserve_batch_size_bucket{{le="4.0",model="{model}"}} 0.0' in text
+
+
+def test_a_request_of_several_inputs_counts_each_input_with_its_batch_size():
+    """/v1/embeddings and /v1/rerank: one count per input, as if each had come to the native route; a request that
+    failed before any input was answered counts once, with no batch size."""
+    model = "metrics-test-c"
+    m = ModelMetrics(model)
+    m.answered_each(200, 0.003, [Answer(None, 3, 0.0, 0.0), Answer(None, 40, 0.0, 0.0)])
+    m.answered_each(400, 0.001, [])
+    text = generate_latest().decode()
+    assert f'zserve_requests_total{{code="200",model="{model}"}} 2.0' in text
+    assert f'zserve_requests_total{{code="400",model="{model}"}} 1.0' in text
+    assert f'zserve_batch_size_count{{model="{model}"}} 2.0' in text
+    assert f'zserve_batch_size_bucket{{le="4.0",model="{model}"}} 1.0' in text
