@@ -11,8 +11,11 @@ body the engine will refuse), a request has no blocks: it is routed by load, and
 Cost per request in the frontend (SmolLM2's tokenizer, 2-core EPYC shared with other work, best of 5 x 20):
 a 37-token chat 96 us to tokenise + 15 us to hash; a 1,130-token chat 2.4 ms + 0.25 ms.
 
-The engine still tokenises the prompt again (``Generator.prepare``): carrying the ids with the request would
-spare that, and is not done yet.
+The ids travel with the request (``GenerateRequest.prompt_token_ids``, with the tokenizer's fingerprint,
+``zserve.generation.tokenizer_fingerprint``), so the engine does not tokenise again: it takes them when the
+fingerprint is its own, and tokenises the text itself when it is not (a frontend and an engine of other
+releases or model revisions). That moves the tokenising off the engine's link thread, where it shares the
+interpreter with the step loop, onto the frontend workers, which scale apart.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import msgspec
 
 from zserve.batching.prefix_hash import shareable_hashes
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
+from zserve.generation import tokenizer_fingerprint
 
 log = logging.getLogger("zserve.frontend")
 
 
 class PromptBlocks:
-    """``blocks(item)``: the hashes of the shareable prompt blocks of a decoded generative request."""
+    """``blocks(item)``: the hashes of the shareable prompt blocks of a decoded generative request; the item
+    (a dict the client has not encoded yet) gains its ``prompt_token_ids`` and ``prompt_tokenizer``."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.path = str(options.get("path", ""))
@@ -38,6 +43,7 @@ class PromptBlocks:
         self.block_size = int(options.get("block_size", 16))
         self.enabled = bool(options.get("prefix_caching", True)) and bool(self.path)
         self._tokenizer: Any = None
+        self.fingerprint = ""  # set with the tokenizer; "" sends no ids (the engine tokenises)
 
     def start(self) -> PromptBlocks:
         """Load the tokenizer in the background (requests meanwhile are routed by load)."""
@@ -53,6 +59,9 @@ class PromptBlocks:
         except Exception as exc:  # the engine answers the request's own error; routing just has no blocks
             log.debug("no prompt blocks for routing: %r", exc)
             return []
+        if self.fingerprint:
+            item["prompt_token_ids"] = ids
+            item["prompt_tokenizer"] = self.fingerprint
         return shareable_hashes(ids, self.block_size, MAX_ROUTE_BLOCKS)
 
     def prompt_ids(self, item: dict[str, Any]) -> list[int]:
@@ -81,7 +90,9 @@ class PromptBlocks:
             path = resolve_model_path(self.path)
             # a GGUF file's tokenizer is read from its metadata, as the engine's converted checkpoint got it
             gguf = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-            self._tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+            tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+            self.fingerprint = tokenizer_fingerprint(tokenizer)
+            self._tokenizer = tokenizer  # last: __call__ reads the fingerprint once it sees the tokenizer
             log.info("routing: tokenizer loaded from %s; requests carry their prompt blocks", path)
         except Exception as exc:
             self.enabled = False

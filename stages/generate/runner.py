@@ -157,7 +157,11 @@ class GenerationRunner:
         stream = bool(batch.stream and batch.stream[0])
         try:
             body = payload.decode(frames)
-            request = parse_generate_request(body if decoded else self.model.decode_request(body))
+            # a decoded body is the deployment's own (a frontend's, with its prompt_token_ids); a raw one a client's
+            if decoded:
+                request = parse_generate_request(body, token_ids=True)
+            else:
+                request = parse_generate_request(self.model.decode_request(body))
             prompt = self.generator.prepare(request)
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))

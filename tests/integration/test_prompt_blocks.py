@@ -8,6 +8,7 @@ import pytest
 from tinylm import build_tiny_lm
 
 from zserve.batching.prefix_hash import shareable_hashes
+from zserve.errors import BadRequest
 from zserve.frontends.prompt_blocks import PromptBlocks
 from zserve.generation import parse_generate_request
 from zserve.generator.generator import Generator, GeneratorOptions
@@ -31,8 +32,47 @@ def test_the_frontend_tokenises_and_hashes_as_the_engine_does(tiny_path):
         assert blocks.prompt_ids(body) == ids
         hashes = blocks(body)
         assert hashes == shareable_hashes(ids, 4) and len(hashes) >= 3
-        engine.generate([parse_generate_request(body)])  # the engine caches the prompt's blocks
+        # the ids travel in the body, with the fingerprint of the tokenizer that made them: the engine's own
+        assert body["prompt_token_ids"] == ids and body["prompt_tokenizer"] == engine.tokenizer_fingerprint != ""
+        engine.generate([parse_generate_request(body, token_ids=True)])  # the engine caches the prompt's blocks
         assert all(h in engine.core.blocks.by_hash for h in hashes)
     assert PromptBlocks({"path": str(tiny_path), "prefix_caching": False})(text) == []
     missing = PromptBlocks({"path": "/nonexistent"})
     assert missing._load() is None and not missing.enabled and missing(text) == []  # routed by load alone
+
+
+def test_the_engine_takes_the_frontends_ids_only_from_its_own_tokenizer(tiny_path):
+    engine = Generator.load(str(tiny_path), options=GeneratorOptions(num_blocks=64, block_size=4))
+    own = engine.tokenizer_fingerprint
+    text = {"prompt": "The quick brown fox", "max_new_tokens": 2}
+    tokenised = engine.prepare(parse_generate_request(text)).prompt_ids
+    other = [5, 6, 7, 8, 9]  # not the text's ids: so a prompt that comes out as these was not tokenised again
+    assert other != tokenised
+
+    def prepared(**fields):
+        return engine.prepare(parse_generate_request({**text, **fields}, token_ids=True)).prompt_ids
+
+    assert prepared(prompt_token_ids=other, prompt_tokenizer=own) == other
+    # made by another tokenizer (another release, another revision), or by nobody said which: tokenised here
+    assert prepared(prompt_token_ids=other, prompt_tokenizer="0" * 32) == tokenised
+    assert prepared(prompt_token_ids=other) == tokenised
+    vocab = engine.core.sampler.vocab_size
+    with pytest.raises(BadRequest) as info:
+        prepared(prompt_token_ids=[1, vocab], prompt_tokenizer=own)
+    assert info.value.field == "prompt_token_ids"
+    with pytest.raises(BadRequest) as info:
+        prepared(prompt_token_ids=[1, -1], prompt_tokenizer=own)
+    assert info.value.field == "prompt_token_ids"
+    with pytest.raises(BadRequest) as info:  # the lengths are checked as for a text
+        prepared(prompt_token_ids=[1] * (engine.max_context + 1), prompt_tokenizer=own)
+    assert info.value.field == "prompt"
+    with pytest.raises(BadRequest) as info:
+        prepared(prompt_token_ids=[], prompt_tokenizer=own)
+    assert info.value.field == "prompt"
+
+
+def test_a_client_cannot_send_token_ids():
+    for name, value in (("prompt_token_ids", [1, 2]), ("prompt_tokenizer", "x")):
+        with pytest.raises(BadRequest) as info:
+            parse_generate_request({"prompt": "hi", name: value})
+        assert info.value.field == name

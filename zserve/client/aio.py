@@ -164,11 +164,12 @@ class AsyncClient:
         broker gone) is called, in this loop, unless ``cancel`` comes first. A waiter must not raise: it runs
         inside the dispatch of a message that answers other requests too. Raises ``PayloadError`` for a body
         that cannot travel. Returns the request's id, for ``cancel``. Options as for ``infer``."""
+        # first: a routed model's blocks_of also adds the prompt's token ids to the body it encodes
+        blocks = self._blocks_of[model](body) if decoded and model in self._blocks_of else []
         frames = payload.encode(body)
         if decoded and not cost and self._cost_of:
             cost_fn = self._cost_of.get(model)
             cost = cost_fn(body) if cost_fn is not None else 0
-        blocks = self._blocks_of[model](body) if decoded and model in self._blocks_of else []
         return self._start(model, frames, timeout_ms, decoded, False, waiter, cost, blocks, priority, tenant)
 
     def cancel(self, req_id: int) -> None:
@@ -200,8 +201,8 @@ class AsyncClient:
         """``async for delta in client.generate_stream("...", model="lm")``; ``prompt`` is a text, chat
         messages, or (with ``decoded=True``, as the frontends do) a body ``decode_request`` already made.
         The request leaves when iteration starts."""
+        blocks = self._blocks_of[model](prompt) if decoded and model in self._blocks_of else []  # before encoding
         frames = payload.encode(prompt if isinstance(prompt, dict) else prompt_body(prompt, sampling))
-        blocks = self._blocks_of[model](prompt) if decoded and model in self._blocks_of else []
         return AsyncGenerationStream(
             model,
             lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream, 0, blocks, priority, tenant),

@@ -26,7 +26,14 @@ import msgspec
 import torch
 
 from zserve.errors import BadRequest
-from zserve.generation import GenerateRequest, GenerateResponse, PromptLogprob, TokenLogprob, TopLogprob
+from zserve.generation import (
+    GenerateRequest,
+    GenerateResponse,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+    tokenizer_fingerprint,
+)
 from zserve.generator import cpu_linear, grammar
 from zserve.generator.attention import cache_dtype
 from zserve.generator.detokenize import TextStream
@@ -116,6 +123,8 @@ class Generator:
             cuda_graphs=options.cuda_graphs,
         )  # fmt: skip
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        # what a frontend's prompt_token_ids must have been made with to be taken as they are
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         self._token_texts: dict[int, str] = {}  # logprobs' token strings (the output thread's)
         self._grammars: GrammarService | None = None  # start_grammars(): at engine start, or on first use
         self._grammars_lock = threading.Lock()
@@ -198,16 +207,9 @@ class Generator:
 
     def prepare(self, request: GenerateRequest) -> PreparedPrompt:
         """Tokenise (applying the chat template to ``messages``) and check the lengths."""
-        if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [msgspec.to_builtins(m) for m in request.messages],
-                tools=request.tools,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(request.prompt)["input_ids"]
+        ids = self._given_ids(request)
+        if ids is None:  # not tokenised by a frontend with this very tokenizer
+            ids = self.tokenize(request)
         if not ids:
             raise BadRequest("the prompt is empty after tokenisation", field="prompt")
         room = self.max_context - len(ids)
@@ -245,6 +247,31 @@ class Generator:
         if structured:
             self._check_structured(request.json_schema)
         return PreparedPrompt(ids, params, list(request.stop), structured, request.json_schema)
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids (the chat template applied to ``messages``)."""
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [msgspec.to_builtins(m) for m in request.messages],
+                tools=request.tools,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(request.prompt)["input_ids"]
+
+    def _given_ids(self, request: GenerateRequest) -> list[int] | None:
+        """The request's ``prompt_token_ids`` when they were made with this engine's tokenizer (a frontend
+        of another release or model revision: None, the text is tokenised here), every one a token of the
+        model (the lengths are checked as for a text)."""
+        ids = request.prompt_token_ids
+        if ids is None or not self.tokenizer_fingerprint or request.prompt_tokenizer != self.tokenizer_fingerprint:
+            return None
+        vocab = self.core.sampler.vocab_size
+        if ids and max(ids) >= vocab:  # msgspec checked >= 0
+            raise BadRequest(f"prompt_token_ids holds {max(ids)}, not a token id of this model (0..{vocab - 1})",
+                             field="prompt_token_ids")  # fmt: skip
+        return ids
 
     def _check_structured(self, schema: str | None) -> None:
         """What can be refused without compiling: no xgrammar, a schema that is not JSON, or one with what
