@@ -159,6 +159,13 @@ class FrontendsConfig(_Section, kw_only=True):
     keys](http-api.md#api-keys)."""
     auth_health: bool = False
     """`true`: `/healthz`, `/readyz` and `/metrics` need a key too (when keys are on)."""
+    max_connections: PositiveInt = 1000
+    """Open HTTP connections per worker (gunicorn's `--worker-connections`). A connection past it gets its request
+    answered 503 `overloaded` with `Retry-After` and `Connection: close`, never a silent close."""
+    keep_alive_s: PositiveInt = 5
+    """How long an idle keep-alive connection stays open, as answers advertise it (`Keep-Alive: timeout=N`). The
+    server closes it one second later, so a client that reuses a connection just inside this finds it open. Behind
+    a load balancer, set it above the balancer's idle timeout."""
 
     def __post_init__(self) -> None:
         if self.workers == 0:

@@ -207,7 +207,8 @@ class Deployment:
         argv = [sys.executable, "-m", "gunicorn", "--worker-class", WORKER_CLASS, "--workers", str(f.workers),
                 "--bind", bind, "--no-control-socket", "--http-parser", "fast",
                 "--graceful-timeout", str(int(f.graceful_timeout_s)),
-                "--asgi-disconnect-grace-period", "0", "--keep-alive", "5", "--error-logfile", "-",
+                "--asgi-disconnect-grace-period", "0", "--keep-alive", str(f.keep_alive_s + 1),
+                "--worker-connections", str(f.max_connections), "--error-logfile", "-",
                 "--pid", str(pid_file), "-c", "python:zserve.frontends.gunicorn_conf",
                 f"{FRONTEND_FACTORY}()"]  # fmt: skip
         spec = self._spec("frontend", "frontend", argv, {}, "http")
