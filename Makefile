@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zserve-installed
 
 .PHONY: install serve test test-all test-newest test-floors lint docs bench bench-env bench-infinity-env \
-	bench-embeddings clean
+	bench-embeddings bench-llama-server clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,12 @@ bench-infinity-env: $(INFINITY_STAMP)
 # zserve (torch, onnx, bf16) against infinity-emb and mosec on MiniLM: bench/embeddings/README.md
 bench-embeddings: bench-env bench-infinity-env
 	$(BENCH_VENV)/bin/python -m bench.embeddings
+
+# llama.cpp's llama-server, the peer of `python -m bench.generation llama-server` (issue 36): built from the
+# llama-cpp-python sdist into ~/.cache/zserve/llama-cpp/<version>/ (Release, GGML_NATIVE, no network code, -j2;
+# tens of minutes on 2 cores, skipped once built). Never a zserve dependency.
+bench-llama-server: install
+	bench/generation/llama_server_build.sh $(PY)
 
 clean:
 	rm -rf $(VENV) .venv-newest .venv-floors build *.egg-info .pytest_cache .ruff_cache
