@@ -19,6 +19,7 @@ def batch_message(
     counts: list[int] = []
     decoded: list[bool] = []
     streams: list[bool] = []
+    priorities: list[int] = []
     batch_id = d.batch_id
     for item_id in d.item_ids:
         r = get(item_id)
@@ -26,6 +27,7 @@ def batch_message(
             counts.append(0)
             decoded.append(True)
             streams.append(False)
+            priorities.append(0)
             continue
         r.batch_id = batch_id
         r.dispatched_s = now
@@ -33,8 +35,14 @@ def batch_message(
         counts.append(len(r.frames))
         decoded.append(r.decoded)
         streams.append(r.stream)
-    stream = streams if d.model in generative else []
-    return Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream, preprocess=d.preprocess), frames
+        priorities.append(r.priority)
+    is_generative = d.model in generative
+    stream = streams if is_generative else []
+    # a generative engine orders its sequences by priority too; all 0 (the common case) travels as nothing
+    ranks = priorities if is_generative and any(priorities) else []
+    batch = Batch(batch_id, d.model, d.item_ids, counts, decoded, stream=stream, preprocess=d.preprocess,
+                  priorities=ranks)  # fmt: skip
+    return batch, frames
 
 
 def prepared_batch_message(d: Dispatch, requests: RequestTable) -> tuple[Batch, list[Any]]:

@@ -229,6 +229,8 @@ class Batch(Msg, tag=21):
     # True: a staged model's batch sent straight to an idle engine, which runs the model's preprocess itself (a
     # stage would only add its hops while the engine waits)
     preprocess: bool = False
+    # generative: per item, its priority (lower is more urgent); empty = every one 0 (also from older brokers)
+    priorities: list[int] = []
 
 
 class BatchResult(Msg, tag=22):

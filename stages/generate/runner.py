@@ -58,6 +58,8 @@ class Admitted:
     stream: bool
     decoded: bool
     prompt: PreparedPrompt
+    priority: int = 0  # the request's (Batch.priorities), lower is more urgent
+    arrived_s: float = 0.0  # time.monotonic() when it reached the engine: the core ages its priority from there
 
 
 @dataclass(slots=True)
@@ -166,7 +168,8 @@ class GenerationRunner:
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
         else:
-            admitted = Admitted(batch_id, stream, decoded, prompt)
+            priority = batch.priorities[0] if batch.priorities else 0
+            admitted = Admitted(batch_id, stream, decoded, prompt, priority, time.monotonic())
             if prompt.structured and self.grammars is not None:
                 self._compile(admitted)
             else:
@@ -248,7 +251,8 @@ class GenerationRunner:
                     return
                 if kind == "add":
                     try:
-                        core.add(item.batch_id, item.prompt.prompt_ids, item.prompt.params)
+                        core.add(item.batch_id, item.prompt.prompt_ids, item.prompt.params, priority=item.priority,
+                                 now=item.arrived_s)  # fmt: skip
                     except ValueError as exc:
                         self.outbox.put(("fail", item.batch_id, Failure(Status.BAD_REQUEST, str(exc), "prompt")))
                     else:

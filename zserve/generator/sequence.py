@@ -63,6 +63,9 @@ class Sequence:
     # params.logit_bias as (token ids, values) on the model's device, made the first time the row is sampled
     # (sampler.py) so a step does not rebuild them from Python lists
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    priority: int = 0  # lower is more urgent (the request's, from the broker)
+    # the scheduler's order, set when it is added: (arrival + priority * aging, arrival order); lower goes first
+    rank: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

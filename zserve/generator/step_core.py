@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from zserve.batching.fair_share import DEFAULT_AGING_S
 from zserve.generator import grammar, triton_attention
 from zserve.generator.attention import PagedKVCache, StepMeta, Uploader
 from zserve.generator.block_manager import BlockManager
@@ -77,12 +79,15 @@ class StepCore:
         native_decode: bool = True,
         tensor_parallel: TensorParallelGroup | None = None,
         cuda_graphs: bool = False,
+        priority_aging_s: float = DEFAULT_AGING_S,
     ) -> None:
         """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
         call per sequence is faster). ``native_decode``: CPU decodes attend through the C kernel
         (``native.py``) where it applies. ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
         is broadcast to the other ranks before it runs. ``cuda_graphs``: decode-only steps replay CUDA graphs
-        (``cuda_graphs.py``) where they apply: our model code, alone, attending through the Triton kernel."""
+        (``cuda_graphs.py``) where they apply: our model code, alone, attending through the Triton kernel.
+        ``priority_aging_s``: how long a sequence waits to count as one priority level more urgent
+        (``scheduler.py``)."""
         config = model.config
         self.model = model.eval()
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id)
@@ -103,8 +108,9 @@ class StepCore:
         cache_blocks = num_blocks + 1 if graphed else num_blocks
         self.cache = paged_cache_for(model, cache_blocks, block_size, tp, native_decode=native_decode)
         self.scheduler = StepScheduler(
-            self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running, chunked_prefill=chunked_prefill
-        )
+            self.blocks, max_batched_tokens=max_batched_tokens, max_running=max_running,
+            chunked_prefill=chunked_prefill, aging_s=priority_aging_s,
+        )  # fmt: skip
         self.sampler = Sampler(self.eos_ids, config.vocab_size)
         self.sequences: dict[int, Sequence] = {}
         self._stats = StepStats()
@@ -139,13 +145,17 @@ class StepCore:
         s.prompt_tokens, s.cached_tokens = self.scheduler.prompt_tokens, self.scheduler.cached_tokens
         return s
 
-    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a sequence under the caller's ``seq_id`` (unique among the sequences in the engine)."""
+    def add(
+        self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None, *, priority: int = 0,
+        now: float | None = None,
+    ) -> None:  # fmt: skip
+        """Queue a sequence under the caller's ``seq_id`` (unique among the sequences in the engine), of
+        ``priority`` (lower is more urgent), arrived at ``now`` (``time.monotonic()`` if None)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         if seq_id in self.sequences:
             raise ValueError(f"sequence id {seq_id} is already in the engine")
-        seq = Sequence(seq_id, list(prompt_ids), params or SamplingParams())
+        seq = Sequence(seq_id, list(prompt_ids), params or SamplingParams(), priority=priority)
         capacity = self.blocks.blocks_needed(len(seq.tokens) + seq.params.max_new_tokens)
         if capacity > len(self.blocks.blocks):
             raise ValueError(
@@ -156,7 +166,7 @@ class StepCore:
         if seq.params.grammar is not None:
             seq.matcher = grammar.matcher(seq.params.grammar)
         self.sequences[seq_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, time.monotonic() if now is None else now)
 
     def abort(self, seq_id: int) -> None:
         """Stop a sequence now and free its blocks."""
