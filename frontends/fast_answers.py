@@ -37,6 +37,20 @@ class DateHeader:
 DateHeader.refresh()
 
 
+class KeepAliveHeader:
+    """What an answer that keeps its connection open says about it: ``Keep-Alive: timeout=N``, the idle time the
+    worker advertises (gunicorn_internals.advertised_keepalive_s, set when the worker starts), so that clients
+    that read it (Node's undici, curl) stop reusing the connection before the server closes it."""
+
+    http11 = b""
+    http10 = KEEP_ALIVE  # HTTP/1.0 clients that asked for keep-alive must be told it is kept
+
+    @classmethod
+    def set(cls, timeout_s: int) -> None:
+        cls.http11 = b"Keep-Alive: timeout=%d\r\n" % timeout_s
+        cls.http10 = KEEP_ALIVE + cls.http11
+
+
 def response(status: int, body: bytes, extra: bytes = b"", connection: bytes = b"") -> bytes:
     """A whole JSON response: status line, headers (``extra``: more header lines, each ending CRLF), body."""
     head = b"HTTP/1.1 %d %s\r\nServer: zserve\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n"
@@ -112,13 +126,13 @@ class PendingRequest:
 
     def connection(self) -> bytes:
         """The answer's Connection header: close when the client asked, or when the worker is stopping and
-        nothing else waits on the connection; keep-alive for an HTTP/1.0 client that asked for it."""
+        nothing else waits on the connection; else how long it is kept (and keep-alive for an HTTP/1.0 client)."""
         conn = self.conn
         if not conn.worker.alive and len(conn.queue) == 1:  # gunicorn's field (gunicorn_internals.WORKER_FIELDS)
             self.keep_alive = False
         if not self.keep_alive:
             return CLOSE
-        return KEEP_ALIVE if self.http10 else b""
+        return KeepAliveHeader.http10 if self.http10 else KeepAliveHeader.http11
 
     def answer(self, status: int, out: bytes, batch_size: int = 0) -> None:
         """Counted in the route's metrics, then written when the answers before it are."""

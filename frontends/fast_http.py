@@ -30,7 +30,7 @@ import gunicorn_h1c
 
 from zserve.frontends import gunicorn_internals
 from zserve.frontends.auth import ANONYMOUS
-from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, PendingRequest, error_response
+from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, KeepAliveHeader, PendingRequest, error_response
 from zserve.frontends.fast_state import ENDING, ConnState, Event, advance
 from zserve.frontends.resources import PredictRoute
 
@@ -366,12 +366,22 @@ class FastHttpProtocol(asyncio.Protocol):
 class FastConnections:
     """A worker's fast-path connections, swept every SWEEP_INTERVAL_S: idle keep-alive connections close
     after gunicorn's ``--keep-alive`` seconds (a stopping worker's graceful shutdown waits for them), and the
-    Date header is refreshed."""
+    Date header is refreshed. Past ``--worker-connections`` open ones, a new connection is a BusyConnection
+    (fast_busy.py): its request is answered 503."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.open: set[FastHttpProtocol] = set()
         self.parser_limits = gunicorn_internals.parser_limits(worker)  # gunicorn's request limits
+        self.max_connections = gunicorn_internals.max_connections(worker)
+        self.busy = 0  # BusyConnections open: counted in the worker's connections, not against the limit
+        self.refused = 0  # requests answered 503 for the limit
+        self._refused_logged = 0
+        KeepAliveHeader.set(gunicorn_internals.advertised_keepalive_s(worker))
+
+    def full(self) -> bool:
+        """Whether a connection accepted now is one too many (the falcon path's connections count too)."""
+        return gunicorn_internals.open_connections(self.worker) - self.busy >= self.max_connections
 
     async def sweep(self) -> None:
         keepalive_s = gunicorn_internals.keepalive_s(self.worker)
@@ -380,3 +390,7 @@ class FastConnections:
             DateHeader.refresh()
             for conn in list(self.open):
                 conn.sweep(SWEEP_INTERVAL_S, keepalive_s)
+            if self.refused > self._refused_logged:  # one line per sweep, not one per refused connection
+                log.warning("%d requests answered 503: this worker holds %d connections ([frontends] max_connections)",
+                            self.refused - self._refused_logged, self.max_connections)  # fmt: skip
+                self._refused_logged = self.refused

@@ -14,6 +14,7 @@ from typing import Any
 
 from zserve.frontends import gunicorn_internals
 from zserve.frontends.app import Frontend
+from zserve.frontends.fast_busy import BusyConnection
 from zserve.frontends.fast_http import FastConnections, FastHttpProtocol
 
 
@@ -32,7 +33,9 @@ class FastPathWorker(gunicorn_internals.AsgiWorker):
         return self.connections.sweep()
 
 
-def _fast_protocol(worker: FastPathWorker) -> FastHttpProtocol:
+def _fast_protocol(worker: FastPathWorker) -> FastHttpProtocol | BusyConnection:
+    if worker.connections.full():
+        return BusyConnection(worker, worker.connections)
     return FastHttpProtocol(worker, worker.connections)
 
 

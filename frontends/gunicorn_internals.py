@@ -37,7 +37,13 @@ WORKER_FIELDS = {
     "alive": "False once the worker stops: answers then close their connection",
 }
 # Settings read off ``worker.cfg`` (documented settings, read here so that one place names them).
-CONFIG_FIELDS = ("keepalive", "limit_request_line", "limit_request_fields", "limit_request_field_size")
+CONFIG_FIELDS = (
+    "keepalive",
+    "worker_connections",
+    "limit_request_line",
+    "limit_request_fields",
+    "limit_request_field_size",
+)
 # The ASGI protocol's side of a handover (asyncio.Protocol's methods, as gunicorn implements them).
 PROTOCOL_METHODS = ("connection_made", "data_received", "pause_writing", "resume_writing", "connection_lost")
 _PROTOCOL_NAME = "ASGIProtocol"  # gasgi's module-level name for it, looked up per connection
@@ -105,8 +111,25 @@ def connection_closed(worker: Any) -> None:
     worker.nr_conns -= 1
 
 
+def open_connections(worker: Any) -> int:
+    return worker.nr_conns
+
+
 def keepalive_s(worker: Any) -> float:
     return float(worker.cfg.keepalive)
+
+
+def advertised_keepalive_s(worker: Any) -> int:
+    """The idle timeout answers advertise (``Keep-Alive: timeout=N``): one second below ``--keep-alive``, the
+    idle time after which a connection is really closed (the supervisor passes ``[frontends] keep_alive_s`` + 1).
+    A client that reuses a connection just inside the advertised time then never races the server's close."""
+    return max(1, int(worker.cfg.keepalive) - 1)
+
+
+def max_connections(worker: Any) -> int:
+    """``--worker-connections``: the open connections past which a new one is answered 503 (gunicorn's asgi
+    worker itself does not enforce it)."""
+    return int(worker.cfg.worker_connections)
 
 
 def parser_limits(worker: Any) -> dict[str, int]:
