@@ -3,12 +3,19 @@
 
 Each leg starts its own deployment (``zserve.serve``: broker, ``--engines`` generative engines of
 ``--threads`` torch threads each, one frontend worker), routing ``least_loaded`` or ``cache_aware``, and sends
-two workloads through HTTP with the ``openai`` client (streamed /v1/completions; TTFT at the first text
-chunk), ``--concurrency`` callers in a closed loop:
+the workloads through HTTP with the ``openai`` client (streamed /v1/completions; TTFT at the first text chunk):
 
+  * capacity (least_loaded leg only): ``--calibrate`` random prompts of ``--prefix`` + ``--suffix`` tokens,
+    ``--concurrency`` callers in a closed loop; requests/s is the deployment's capacity, and every open-loop
+    rate below is a share of it, the same in both legs;
   * shared: ``--groups`` system prompts of ``--prefix`` tokens, each followed by ``--turns`` different user turns
-    of ``--suffix`` tokens, in random order;
-  * none: as many prompts of random words (``--prefix`` + ``--suffix`` tokens), nothing shared.
+    of ``--suffix`` tokens, in random order, Poisson arrivals at ``--load`` x capacity;
+  * none: as many prompts of random words (``--prefix`` + ``--suffix`` tokens), nothing shared, same arrivals;
+  * chats: ``--chats`` conversations of ``--chat-turns`` turns (a ``--chat-system`` token system prompt, user
+    turns of ``--suffix`` tokens), each turn sent when the previous answer came back, its answer in the history;
+  * hot: ``--hot`` requests behind one system prompt of ``--prefix`` tokens, Poisson at ``--hot-load`` x one
+    engine's capacity (capacity / engines); per engine the requests routed to it (the broker's routing
+    counters: cache_aware only), and every request's outcome (answered, 503 at admission, anything else).
 
 Reports per leg and workload TTFT p50/p99, output tok/s, and the engines' prefix-cache hit rate (cached prompt
 tokens / prompt tokens, from the broker's health report), with the ratios cache_aware / least_loaded, and the hit
@@ -17,9 +24,8 @@ rate one engine with room for every prefix would reach (each prefix computed onc
     .venv/bin/python -m bench.generation routing                      # SmolLM2-135M, 2 engines x 1 thread
     .venv/bin/python -m bench.generation routing --model tiny --groups 2 --turns 2 --prefix 64   # smoke run
 
-Not yet here (issue 35's full table): Poisson arrivals at 70% of capacity (a closed loop stands in), multi-turn
-chats, one hot prefix at 2x capacity, a peer router, and the broker's cost with 64 simulated engines. Writes
-bench/results/routing-DATE-TIME.json.
+Not here: a peer router (bench/results/35-routing.md says why), and the broker's cost with 64 simulated engines
+(``routing-cost``). Writes bench/results/routing-DATE-TIME.json.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import threading
 import time
@@ -35,25 +42,38 @@ from typing import Any
 
 from bench.common.paths import RESULTS
 from bench.generation.workload import GenRequest, Timing, closed_loop, summarize, text_of_length
-from bench.generation.zserve_leg import HANDLER, REQUEST_TIMEOUT_MS, SERVED_NAME, engine_options, resolve_model
+from bench.generation.zserve_leg import HANDLER, SERVED_NAME, engine_options, resolve_model
 
-TTFT_TARGET, TOK_S_TARGET, NONE_TOK_S_TARGET = 0.5, 1.0, 0.97  # the issue's targets (shared TTFT/tok/s, none)
+# the issue's targets: shared TTFT p50 and tok/s, chats' TTFT p50, none's tok/s, hot's busiest engine / mean
+TTFT_TARGET, TOK_S_TARGET, CHAT_TTFT_TARGET, NONE_TOK_S_TARGET, HOT_SKEW_TARGET = 0.5, 1.0, 0.5, 0.97, 1.3
+DEADLINE_MS = 300_000  # every request's deadline (the deployment's timeout_ms): answered by then, or refused
 
 
 def workloads(tokenizer: Any, args: argparse.Namespace) -> dict[str, list[GenRequest]]:
     rng = random.Random(args.seed)
+
+    def request(text: str) -> GenRequest:
+        return GenRequest(text, tokenizer(text)["input_ids"], args.output)
+
     shared = []
     for _ in range(args.groups):
         system = text_of_length(tokenizer, args.prefix, rng)
-        for _ in range(args.turns):
-            text = system + " " + text_of_length(tokenizer, args.suffix, rng)
-            shared.append(GenRequest(text, tokenizer(text)["input_ids"], args.output))
+        shared += [request(system + " " + text_of_length(tokenizer, args.suffix, rng)) for _ in range(args.turns)]
     rng.shuffle(shared)
-    none = []
-    for _ in range(len(shared)):
-        text = text_of_length(tokenizer, args.prefix + args.suffix, rng)
-        none.append(GenRequest(text, tokenizer(text)["input_ids"], args.output))
-    return {"shared": shared, "none": none}
+    random_prompt = lambda: request(text_of_length(tokenizer, args.prefix + args.suffix, rng))  # noqa: E731
+    none = [random_prompt() for _ in shared]
+    calibrate = [random_prompt() for _ in range(args.calibrate)]
+    hot_system = text_of_length(tokenizer, args.prefix, rng)
+    hot = [request(hot_system + " " + text_of_length(tokenizer, args.suffix, rng)) for _ in range(args.hot)]
+    return {"calibrate": calibrate, "shared": shared, "none": none, "hot": hot}
+
+
+def chats(tokenizer: Any, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Each conversation's system prompt and user turns (the answers join the history as they come)."""
+    rng = random.Random(args.seed + 1)
+    return [(text_of_length(tokenizer, args.chat_system, rng),
+             [text_of_length(tokenizer, args.suffix, rng) for _ in range(args.chat_turns)])
+            for _ in range(args.chats)]  # fmt: skip
 
 
 def ideal_hit_rate(requests: list[GenRequest], block_size: int) -> float:
@@ -82,11 +102,15 @@ class HttpLeg:
         self.mismatches: list[str] = []
 
     def __call__(self, request: GenRequest, deadline: float | None) -> Timing:
+        return self.send(request)[0]
+
+    def send(self, request: GenRequest) -> tuple[Timing, str]:
+        """The request's timing and its generated text."""
         client = getattr(self.local, "client", None) or self.make()
         self.local.client = client
         start = time.perf_counter()
         first = last = None
-        tokens = 0
+        tokens, text = 0, []
         stream = client.completions.create(
             model=SERVED_NAME, prompt=request.prompt_text, max_tokens=request.output_len, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -95,28 +119,105 @@ class HttpLeg:
             if chunk.choices and chunk.choices[0].text:
                 last = time.perf_counter()
                 first = first or last
+                text.append(chunk.choices[0].text)
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
         end = time.perf_counter()
         if tokens != request.output_len:
             self.mismatches.append(f"asked {request.output_len} tokens, got {tokens}")
-        return Timing(start, first or end, last or end, tokens)
+        return Timing(start, first or end, last or end, tokens), "".join(text)
 
 
-def counters(client: Any) -> tuple[int, int]:
+def open_loop(leg: HttpLeg, requests: list[GenRequest], rate_per_s: float, seed: int) -> tuple[list, float, dict]:
+    """Each request sent at its Poisson arrival time (exponential gaps at ``rate_per_s``), on a thread of its own
+    whatever is in flight. Returns the answered requests' timings, the wall time and every outcome's count
+    ("ok", an HTTP status, or the error's type)."""
+    import openai
+
+    rng = random.Random(seed)
+    timings: list[Timing] = []
+    outcomes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def send(request: GenRequest) -> None:
+        try:
+            timing, outcome = leg(request, None), "ok"
+        except openai.APIStatusError as exc:
+            timing, outcome = None, str(exc.status_code)
+        except Exception as exc:  # counted, never lost: the caller reads every outcome
+            timing, outcome = None, type(exc).__name__
+        with lock:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if timing is not None:
+                timings.append(timing)
+
+    started = time.perf_counter()
+    at = started
+    threads = []
+    for request in requests:
+        at += rng.expovariate(rate_per_s)
+        time.sleep(max(0.0, at - time.perf_counter()))
+        threads.append(threading.Thread(target=send, args=(request,), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    ended = max((t.last_s for t in timings), default=time.perf_counter())
+    return timings, ended - started, outcomes
+
+
+def chat_loop(leg: HttpLeg, conversations: list[tuple[str, list[str]]], output: int) -> tuple[list, float, list]:
+    """Every conversation at once, each turn sent when the previous answer came back (its text in the prompt).
+    Returns every turn's timing, the wall time, and the TTFTs (s) of the turns after the first."""
+    timings: list[Timing] = []
+    later: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def converse(system: str, turns: list[str]) -> None:
+        history = system
+        for index, turn in enumerate(turns):
+            prompt = f"{history}\nUser: {turn}\nAssistant:"
+            try:
+                timing, answer = leg.send(GenRequest(prompt, [], output))
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            with lock:
+                timings.append(timing)
+                if index:
+                    later.append(timing.ttft_s)
+            history = prompt + answer
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=converse, args=c, daemon=True) for c in conversations]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return timings, max(t.last_s for t in timings) - started, later
+
+
+def counters(client: Any) -> tuple[int, int, dict[str, int]]:
+    """Prompt tokens, cached prompt tokens, and the requests routed to each engine (cache_aware's counters)."""
     [model] = [m for m in client.health().models if m.name == SERVED_NAME]
-    return model.prompt_tokens, model.cached_prompt_tokens
+    routed = {r.engine: r.match + r.spill + r.least_loaded for r in model.routing}
+    return model.prompt_tokens, model.cached_prompt_tokens, routed
 
 
-def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], args: argparse.Namespace) -> list[dict]:
+def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: list[tuple[str, list[str]]],
+            capacity_rps: float | None, args: argparse.Namespace) -> tuple[list[dict], float]:  # fmt: skip
+    """The leg's rows, and the capacity (requests/s) its open loops were driven at a share of."""
     import zserve
 
-    tokens_per_seq = max(len(r.prompt_ids) for rs in loads.values() for r in rs) + args.output
-    # room for every sequence a caller can have in flight, plus the prefixes kept between requests
-    options = engine_options(path, args.dtype, args.concurrency, tokens_per_seq, args.max_batched_tokens)
+    chat_tokens = args.chat_system + args.chat_turns * (args.suffix + args.output + 8)
+    tokens_per_seq = max(max(len(r.prompt_ids) for rs in loads.values() for r in rs), chat_tokens) + args.output
+    # room for every sequence that can be in flight (max_running), plus the prefixes kept between requests
+    options = engine_options(path, args.dtype, args.max_running, tokens_per_seq, args.max_batched_tokens)
     options["num_blocks"] += args.groups * (args.prefix // 16 + 1)
     client = zserve.serve(HANDLER, name=SERVED_NAME, options=options, engines=args.engines, threads=args.threads,
-                          routing=routing, timeout_ms=REQUEST_TIMEOUT_MS, workers=1)  # fmt: skip
+                          routing=routing, timeout_ms=DEADLINE_MS, workers=1)  # fmt: skip
     rows = []
     try:
         deadline = time.monotonic() + 120
@@ -127,16 +228,33 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], args: a
         leg = HttpLeg(client.url)
         leg(GenRequest("warm up", [], 2), None)
         leg.mismatches.clear()
-        for name, requests in loads.items():
-            before = counters(client)
-            callers = [requests[i :: args.concurrency] for i in range(args.concurrency)]
+        if capacity_rps is None:
+            callers = [loads["calibrate"][i :: args.concurrency] for i in range(args.concurrency)]
             timings, wall_s = closed_loop(leg, callers)
-            prompt, cached = (a - b for a, b in zip(counters(client), before, strict=True))
-            row = summarize(routing, args.concurrency, timings, wall_s).to_json()
+            capacity_rps = len(timings) / wall_s
+            print(f"  capacity ({routing}, closed loop c{args.concurrency}, nothing shared): "
+                  f"{capacity_rps:.3f} requests/s")  # fmt: skip
+        rates = {"shared": args.load * capacity_rps, "none": args.load * capacity_rps,
+                 "hot": args.hot_load * capacity_rps / args.engines}  # fmt: skip
+        for name in ("shared", "none", "chats", "hot"):
+            before = counters(client)
+            later: list[float] = []
+            if name == "chats":
+                timings, wall_s, later = chat_loop(leg, talks, args.output)
+                outcomes = {"ok": len(timings)}
+            else:
+                timings, wall_s, outcomes = open_loop(leg, loads[name], rates[name], args.seed)
+            after = counters(client)
+            prompt, cached = after[0] - before[0], after[1] - before[1]
+            routed = {e: n - before[2].get(e, 0) for e, n in after[2].items()}
+            row = summarize(routing, 0, timings, wall_s).to_json()
             row |= {"workload": name, "routing": routing, "prompt_tokens": prompt, "cached_prompt_tokens": cached,
-                    "hit_rate": cached / prompt if prompt else 0.0}  # fmt: skip
+                    "hit_rate": cached / prompt if prompt else 0.0, "rate_rps": rates.get(name),
+                    "outcomes": outcomes, "routed": routed}  # fmt: skip
+            if later:  # the chats' turns after the first: those whose history an engine may hold
+                row["ttft_p50_later_turns_ms"] = statistics.median(later) * 1000
             print(f"  {routing} {name}: TTFT p50 {row['ttft_p50_ms']:.0f} ms, {row['tok_s']:.1f} tok/s, "
-                  f"hit rate {row['hit_rate']:.3f}")  # fmt: skip
+                  f"hit rate {row['hit_rate']:.3f}, outcomes {outcomes}, routed {routed}")  # fmt: skip
             rows.append(row)
         if leg.mismatches:
             raise RuntimeError(f"{routing}: wrong answers {leg.mismatches[:3]}")
@@ -144,7 +262,13 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], args: a
         code = client.terminate()
     if code:
         raise RuntimeError(f"{routing}: the deployment exited {code}")
-    return rows
+    return rows, capacity_rps
+
+
+def skew(row: dict) -> float | None:
+    """The busiest engine's requests / the mean (None without per-engine counters: least_loaded)."""
+    counts = list(row["routed"].values())
+    return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,12 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (default %(default)s)")
-    p.add_argument("--groups", type=int, default=8, help="system prompts (default %(default)s)")
-    p.add_argument("--turns", type=int, default=4, help="user turns per system prompt (default %(default)s)")
-    p.add_argument("--prefix", type=int, default=400, help="system prompt tokens (default %(default)s)")
+    p.add_argument("--groups", type=int, default=16, help="system prompts (default %(default)s)")
+    p.add_argument("--turns", type=int, default=8, help="user turns per system prompt (default %(default)s)")
+    p.add_argument("--prefix", type=int, default=1000, help="system prompt tokens (default %(default)s)")
     p.add_argument("--suffix", type=int, default=16, help="user turn tokens (default %(default)s)")
     p.add_argument("--output", type=int, default=16, help="tokens generated per request (default %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--load", type=float, default=0.7, help="shared/none arrivals x capacity (default %(default)s)")
+    p.add_argument("--calibrate", type=int, default=16, help="requests measuring capacity (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=4, help="callers measuring capacity (default %(default)s)")
+    p.add_argument("--chats", type=int, default=32, help="conversations (default %(default)s)")
+    p.add_argument("--chat-turns", type=int, default=6, help="turns per conversation (default %(default)s)")
+    p.add_argument("--chat-system", type=int, default=200, help="a conversation's system prompt tokens")
+    p.add_argument("--hot", type=int, default=32, help="requests behind the one hot prefix (default %(default)s)")
+    p.add_argument("--hot-load", type=float, default=2.0, help="their arrivals x one engine's capacity")
+    p.add_argument("--max-running", type=int, default=16, help="sequences per engine (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
@@ -167,30 +299,45 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="zserve-routing-bench-") as tmp:
         path = resolve_model(args.model, args.dtype, Path(tmp))
-        loads = workloads(AutoTokenizer.from_pretrained(path), args)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        loads, talks = workloads(tokenizer, args), chats(tokenizer, args)
         ideal = ideal_hit_rate(loads["shared"], 16)
-        print(f"{len(loads['shared'])} requests per workload; one engine keeping every prefix would hit {ideal:.3f}")
-        rows = [row for routing in ("least_loaded", "cache_aware") for row in run_leg(path, routing, loads, args)]
+        print(f"{len(loads['shared'])} requests shared/none, {args.chats} x {args.chat_turns} chat turns, "
+              f"{args.hot} hot; one engine keeping every prefix would hit {ideal:.3f} of shared")  # fmt: skip
+        rows, capacity = run_leg(path, "least_loaded", loads, talks, None, args)
+        rows += run_leg(path, "cache_aware", loads, talks, capacity, args)[0]
     by = {(r["routing"], r["workload"]): r for r in rows}
     print(f"{'ROUTING':>12} {'WORKLOAD':>8} {'REQS':>5} {'TTFT_P50_MS':>11} {'TTFT_P99_MS':>11} {'TOK/S':>7} "
-          f"{'HIT_RATE':>8}")  # fmt: skip
+          f"{'HIT_RATE':>8} {'SKEW':>5}  OUTCOMES")  # fmt: skip
     for r in rows:
+        s = skew(r)
         print(f"{r['routing']:>12} {r['workload']:>8} {r['requests']:>5} {r['ttft_p50_ms']:>11.0f} "
-              f"{r['ttft_p99_ms']:>11.0f} {r['tok_s']:>7.1f} {r['hit_rate']:>8.3f}")  # fmt: skip
+              f"{r['ttft_p99_ms']:>11.0f} {r['tok_s']:>7.1f} {r['hit_rate']:>8.3f} "
+              f"{'-' if s is None else f'{s:.2f}':>5}  {r['outcomes']}")  # fmt: skip
+
+    def ratio(workload: str, key: str) -> float:
+        return by["cache_aware", workload][key] / by["least_loaded", workload][key]
+
     ratios = {
-        "shared_ttft_p50": by["cache_aware", "shared"]["ttft_p50_ms"] / by["least_loaded", "shared"]["ttft_p50_ms"],
-        "shared_tok_s": by["cache_aware", "shared"]["tok_s"] / by["least_loaded", "shared"]["tok_s"],
+        "shared_ttft_p50": ratio("shared", "ttft_p50_ms"),
+        "shared_tok_s": ratio("shared", "tok_s"),
         "shared_hit_vs_one_engine": by["cache_aware", "shared"]["hit_rate"] / ideal if ideal else 0.0,
-        "none_tok_s": by["cache_aware", "none"]["tok_s"] / by["least_loaded", "none"]["tok_s"],
+        "chats_ttft_p50": ratio("chats", "ttft_p50_ms"),
+        "none_tok_s": ratio("none", "tok_s"),
+        "hot_busiest_vs_mean": skew(by["cache_aware", "hot"]),
     }
-    print(f"cache_aware / least_loaded: shared TTFT p50 {ratios['shared_ttft_p50']:.2f}x (target <= {TTFT_TARGET}), "
-          f"tok/s {ratios['shared_tok_s']:.2f}x (target >= {TOK_S_TARGET}), hit rate "
-          f"{ratios['shared_hit_vs_one_engine']:.2f}x one engine's (target >= 0.9); "
-          f"none tok/s {ratios['none_tok_s']:.2f}x (target >= {NONE_TOK_S_TARGET}); "
+    hot_ok = by["cache_aware", "hot"]["outcomes"]
+    print(f"capacity {capacity:.3f} requests/s; cache_aware / least_loaded: shared TTFT p50 "
+          f"{ratios['shared_ttft_p50']:.2f}x (target <= {TTFT_TARGET}), tok/s {ratios['shared_tok_s']:.2f}x (target >= "
+          f"{TOK_S_TARGET}), hit rate {ratios['shared_hit_vs_one_engine']:.2f}x one engine's (target >= 0.9); chats "
+          f"TTFT p50 {ratios['chats_ttft_p50']:.2f}x (target <= {CHAT_TTFT_TARGET}); none tok/s "
+          f"{ratios['none_tok_s']:.2f}x (target >= {NONE_TOK_S_TARGET}); hot busiest engine "
+          f"{ratios['hot_busiest_vs_mean'] or 0:.2f}x the mean (target <= {HOT_SKEW_TARGET}), outcomes {hot_ok}; "
           f"{args.engines} engines x {args.threads} threads")  # fmt: skip
     out = args.out or RESULTS / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"args": vars(args) | {"out": str(out)}, "rows": rows, "ideal_hit_rate": ideal, "ratios": ratios}
+    document = {"args": vars(args) | {"out": str(out)}, "rows": rows, "ideal_hit_rate": ideal, "ratios": ratios,
+                "capacity_rps": capacity}  # fmt: skip
     out.write_text(json.dumps(document, indent=1))
     print(f"wrote {out}")
     return 0
