@@ -267,3 +267,17 @@ def test_the_layout_in_architecture_names_every_module() -> None:
     )
     unnamed = [module for module in modules if not re.search(rf"(?<![\w]){re.escape(Path(module).name)}", layout)]
     assert not unnamed, f"modules docs/architecture.md's layout does not name: {unnamed}"
+
+
+def test_every_metric_a_page_names_is_exported() -> None:
+    """Prometheus names (``zserve_requests_total``, ``zserve_kv_cache_usage``, ...): each is written by the code,
+    without the suffixes prometheus-client adds (``_total``, ``_bucket``, ``_count``, ``_sum``, ``_created``)."""
+    named = {(name, _rel(page)) for page in PAGES for name in re.findall(r"\bzserve_[a-z0-9_]*[a-z0-9]\b",
+                                                                           page.read_text())}  # fmt: skip
+    assert len(named) > 20
+    unknown = sorted(
+        (page, name)
+        for name, page in named
+        if not re.search(rf"\b{re.sub(r'_(total|bucket|count|sum|created)$', '', name)}\b", _code_text())
+    )
+    assert not unknown, f"metrics the code does not export: {unknown}"
