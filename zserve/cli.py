@@ -208,10 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser(
         "up",
-        help="start a deployment: broker, engines, REST frontends",
-        description="Start the broker, the engines of every [[models]] table and (once every engine is ready) "
-        "the gunicorn frontends; print 'zserve ready: http://HOST:PORT' when /readyz answers 200. Restarts "
-        "crashed processes with backoff; SIGTERM or Ctrl-C stops everything in order and exits 0.",
+        help="start a deployment: broker, stages and engines, REST frontends",
+        description="Start the broker, the preprocess stages and engines of every [[models]] table and (once every "
+        "engine and stage is ready) the gunicorn frontends; print 'zserve ready: http://HOST:PORT' when /readyz "
+        "answers 200. Restarts crashed processes with backoff; SIGTERM or Ctrl-C stops everything in order and exits "
+        "0.",
     )
     up.add_argument("-c", "--config", default="supervisor.toml", help="the deployment file (default: %(default)s)")
     up.add_argument("--host", default=None, help="override [frontends] host")
