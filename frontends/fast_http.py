@@ -360,7 +360,18 @@ class FastHttpProtocol(asyncio.Protocol):
         else:
             self.idle_s += interval_s
         if self.idle_s >= keepalive_s:
+            if state is READING and (self._current is not None or self._raw):
+                return self._timed_out(keepalive_s)
             self._end()
+
+    def _timed_out(self, keepalive_s: float) -> None:
+        """A request begun and not sent whole within the idle time: answered 408, never closed on in silence."""
+        self._current = None
+        self._advance(Event.REFUSED)
+        request = PendingRequest(self, "", None, keep_alive=False)
+        self.queue.append(request)
+        message = f"the request was not sent whole within {keepalive_s:g} s"
+        request.deliver(error_response(408, "request_timeout", message, connection=CLOSE))
 
 
 class FastConnections:

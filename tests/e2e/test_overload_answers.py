@@ -146,3 +146,14 @@ def test_a_connection_reused_just_inside_the_advertised_keep_alive_is_answered(d
         assert KEEP_ALIVE_S < time.monotonic() - started < KEEP_ALIVE_S + 3
     finally:
         s.close()
+
+
+def test_a_request_never_sent_whole_is_answered_408(deployment):
+    s = connect(deployment)
+    try:
+        s.sendall(PREDICT[:-4])  # the body's last bytes never come
+        status, headers, body = read_response(s)  # after the idle time, not a silent close
+        assert status == 408 and json.loads(body)["error"]["type"] == "request_timeout"
+        assert headers["connection"] == "close" and closed_by_server(s)
+    finally:
+        s.close()
