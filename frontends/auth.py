@@ -2,7 +2,8 @@
 
 Keys come from ``[frontends] api_keys_file`` (one key per line, ``#`` comment lines; each worker reads it
 again on SIGHUP) and from ``ZSERVE_API_KEYS`` (comma separated). A line of the file may name, after the key,
-the key's tenant and default priority: ``KEY tenant=NAME priority=N`` (docs/http-api.md). With neither, the
+the key's tenant, default priority and most urgent priority: ``KEY tenant=NAME priority=N max_priority=M``
+(docs/http-api.md). With neither, the
 API is open. A key is compared with every accepted key by ``hmac.compare_digest``, with no early exit, so the
 answer's timing says nothing about how much of a key was right. Keys are never logged: log lines name the file
 and a count.
@@ -29,33 +30,59 @@ ENV_VAR = "ZSERVE_API_KEYS"
 MISSING_KEY = "an API key is required: send `Authorization: Bearer KEY`"
 
 
+PRIORITY_BOUND = 1_000_000  # |priority| of a request or a key, as the API types bound it
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who a key speaks for: its tenant ("" = none) and the priority its requests get when they name none."""
+    """Who a key speaks for: its tenant ("" = none), the priority its requests get when they name none, and the
+    most urgent one they may name (``max_priority``; lower is more urgent): a key cannot jump ahead of the others
+    further than its line in the keys file allows."""
 
     tenant: str = ""
     priority: int = 0
+    max_priority: int = 0
+
+    def priority_refusal(self, priority: int) -> str | None:
+        """Why this key may not ask for ``priority`` (an HTTP 403), or None."""
+        if priority >= self.max_priority:
+            return None
+        return (f"priority {priority} is more urgent than this API key may ask for: {self.max_priority} at most "
+                "(max_priority in the keys file)")  # fmt: skip
 
 
 ANONYMOUS = Caller()
+_FIELDS = ("tenant", "priority", "max_priority")
 
 
 def _caller(path: str, number: int, fields: list[str]) -> Caller:
     values: dict[str, str] = {}
     for field in fields:
         name, eq, value = field.partition("=")
-        if not eq or name not in ("tenant", "priority") or not value or name in values:
-            raise ValueError(f"{path}:{number}: after the key, only tenant=NAME and priority=N may follow")
+        if not eq or name not in _FIELDS or not value or name in values:
+            raise ValueError(
+                f"{path}:{number}: after the key, only tenant=NAME, priority=N and max_priority=N may follow"
+            )
         values[name] = value
-    try:
-        priority = int(values.get("priority", "0"))
-    except ValueError:
-        raise ValueError(f"{path}:{number}: priority must be an integer") from None
-    return Caller(values.get("tenant", ""), priority)
+    numbers = {}
+    for name in ("priority", "max_priority"):
+        try:
+            numbers[name] = int(values.get(name, "0"))
+        except ValueError:
+            raise ValueError(f"{path}:{number}: {name} must be an integer") from None
+        if abs(numbers[name]) > PRIORITY_BOUND:
+            raise ValueError(f"{path}:{number}: {name} must be within +-{PRIORITY_BOUND}")
+    priority = numbers["priority"]
+    # Without max_priority the key's own priority is the most urgent it may ask for.
+    most_urgent = numbers["max_priority"] if "max_priority" in values else priority
+    if most_urgent > priority:
+        raise ValueError(f"{path}:{number}: max_priority {most_urgent} is less urgent than the key's priority")
+    return Caller(values.get("tenant", ""), priority, most_urgent)
 
 
 def read_keys_file(path: str) -> list[tuple[bytes, Caller]]:
-    """The keys in ``path`` and whom each speaks for: one per line (``KEY`` or ``KEY tenant=NAME priority=N``),
+    """The keys in ``path`` and whom each speaks for: one per line (``KEY``, optionally followed by ``tenant=NAME``,
+    ``priority=N``, ``max_priority=M``),
     blank lines and lines starting with ``#`` skipped. Raises ``OSError`` if the file cannot be read,
     ``ValueError`` (naming the line, not the key) for a line that is not of that form."""
     with open(path, encoding="utf-8") as f:

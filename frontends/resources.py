@@ -79,20 +79,23 @@ PRIORITY_HEADER = "X-Zserve-Priority"
 
 def priority_and_tenant(req: falcon.asgi.Request, priority: int | None = None) -> tuple[int, str]:
     """A request's priority (``priority`` from its body, else the native routes' ``X-Zserve-Priority`` header,
-    else its API key's default) and its key's tenant ("" without keys). Raises RequestError (400) for a header
-    that is not an integer."""
+    else its API key's default) and its key's tenant ("" without keys). Raises RequestError: 400 for a header
+    that is not an integer, 403 for a priority more urgent than the key's ``max_priority``."""
     caller = getattr(req.context, "caller", None)
+    field = "priority"
     if priority is None:
         header = req.get_header(PRIORITY_HEADER)
         if header is not None:
+            field = PRIORITY_HEADER
             try:
                 priority = int(header)
             except ValueError:
-                raise RequestError(
-                    400, "bad_request", f"{PRIORITY_HEADER} must be an integer", PRIORITY_HEADER
-                ) from None
+                raise RequestError(400, "bad_request", f"{PRIORITY_HEADER} must be an integer", field) from None
             if not -1_000_000 <= priority <= 1_000_000:
-                raise RequestError(400, "bad_request", f"{PRIORITY_HEADER} must be within +-1000000", PRIORITY_HEADER)
+                raise RequestError(400, "bad_request", f"{PRIORITY_HEADER} must be within +-1000000", field)
+    # A key's requests may not be more urgent than its line allows (an open API trusts every caller).
+    if priority is not None and caller is not None and (refusal := caller.priority_refusal(priority)) is not None:
+        raise RequestError(403, "permission_denied", refusal, field)
     if priority is None:
         priority = caller.priority if caller is not None else 0
     return priority, caller.tenant if caller is not None else ""

@@ -53,7 +53,8 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     keys_file = tmp / "api_keys"
     keys_file.write_text(
-        f"{CAPPED_KEY} tenant=capped\n{BACKGROUND_KEY} tenant=background priority=5\n{APP_KEY} tenant=app\n"
+        f"{CAPPED_KEY} tenant=capped\n{BACKGROUND_KEY} tenant=background priority=5\n"
+        f"{APP_KEY} tenant=app max_priority=-5\n"
     )
     d = Deployment(write_config(tmp, CONFIG.format(port=free_port(), keys_file=keys_file)))
     yield d.wait_ready()
@@ -132,3 +133,9 @@ def test_an_urgent_request_is_answered_before_the_background_queued_ahead(deploy
     # Only what was computing or already next when it arrived goes before it (one at a time, 0.1 s each).
     assert len(before) <= 3, before
     assert done.index("urgent") < len(done) - 10
+
+
+def test_a_key_asking_more_urgent_than_its_line_allows_gets_403(deployment):
+    status, _, body = deployment.request("POST", "/v1/models/slow/predict", {"i": 1}, _headers(BACKGROUND_KEY, 0))
+    assert status == 403, body
+    assert body["error"]["type"] == "permission_denied" and body["error"]["field"] == "X-Zserve-Priority"
