@@ -105,7 +105,7 @@ class BrokerCore:
             for t in config.tenants
             if t.requests_per_s or t.tokens_per_min or t.max_concurrent
         }
-        self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota]
+        self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota, overloaded]
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.stats = {m.name: ModelStats() for m in config.models}
@@ -238,6 +238,7 @@ class BrokerCore:
             else:
                 admission = submit(model, request.item_id, now, request.cost)
             if admission is Admission.OVERLOADED:
+                self._count_overloaded(request)
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
@@ -254,7 +255,7 @@ class BrokerCore:
             return True
         counts = self.tenant_counts.get(tenant)
         if counts is None:
-            counts = self.tenant_counts[tenant] = [0, 0]
+            counts = self.tenant_counts[tenant] = [0, 0, 0]
         quota = self.quotas.get(tenant)
         if quota is not None:
             pending = self.requests.pending_by_tenant.get(tenant, 0)
@@ -272,6 +273,10 @@ class BrokerCore:
         self.requests.set_tenant(request, tenant)
         return True
 
+    def _count_overloaded(self, request: Request) -> None:
+        if request.tenant:
+            self.tenant_counts[request.tenant][2] += 1
+
     def _refuse_if_late(self, request: Request, stats: ModelStats, timeout_s: float) -> None:
         """Deadline-aware admission: refuse (OVERLOADED, at once) a request that the queue ahead of it, at
         the measured compute time per item, would keep past its deadline: it would be computed for nobody.
@@ -287,6 +292,7 @@ class BrokerCore:
         if wait_s <= timeout_s:
             return
         self.scheduler.remove(model, request.item_id)
+        self._count_overloaded(request)
         message = (
             f"model {model!r} would answer in about {wait_s * 1000.0:.0f} ms ({ahead} requests ahead, "
             f"{stats.item_s * 1000.0:.1f} ms of compute each): past this request's {timeout_s * 1000.0:.0f} ms "
@@ -540,9 +546,10 @@ class BrokerCore:
             for tenant, cost in fair.served.items():
                 if tenant:
                     served.setdefault(tenant, {})[model] = cost
+        pending = self.requests.pending_by_tenant
         return [
-            TenantHealth(name, admitted, refused, served.get(name, {}))
-            for name, (admitted, refused) in sorted(self.tenant_counts.items())
+            TenantHealth(name, admitted, refused, served.get(name, {}), overloaded, pending.get(name, 0))
+            for name, (admitted, refused, overloaded) in sorted(self.tenant_counts.items())
         ]
 
     def start_draining(self, now: float, handover: bool = False) -> None:

@@ -184,6 +184,8 @@ class TenantHealth(msgspec.Struct, gc=False):
     admitted: int = 0
     rate_limited: int = 0  # answered RATE_LIMITED (past one of its quotas)
     served_cost: dict[str, int] = {}  # model -> cost taken from its queue (the fair share's measure)
+    overloaded: int = 0  # answered OVERLOADED after its quotas (a full queue, or its deadline out of reach)
+    pending: int = 0  # its requests in the broker now, queued or computing
 
 
 class HealthReport(Msg, tag=5):

@@ -87,7 +87,7 @@ def test_broker_answers_rate_limited_past_requests_per_s() -> None:
     assert len(refused) == 3 and {r.status for r in refused} == {Status.RATE_LIMITED}
     assert {r.field for r in refused} == {"requests_per_s"} and all(r.retry_after_ms == 200 for r in refused)
     assert "capped" in refused[0].message
-    assert core.tenant_counts == {"capped": [5, 3], "free": [1, 0]}
+    assert core.tenant_counts == {"capped": [5, 3, 0], "free": [1, 0, 0]}
     err = error_for(Status(refused[0].status), refused[0].message, refused[0].field, refused[0].retry_after_ms)
     assert isinstance(err, RateLimited) and err.http_status == 429 and err.retry_after_s == pytest.approx(0.2)
     send(core, b"c", [50], 0.2, tenant="capped")  # the bucket has refilled one request
@@ -95,6 +95,15 @@ def test_broker_answers_rate_limited_past_requests_per_s() -> None:
     assert replies(clients, b"c") == []
     report = core.health(1)
     assert [(t.name, t.admitted, t.rate_limited) for t in report.tenants] == [("capped", 6, 3), ("free", 1, 0)]
+
+
+def test_health_counts_a_tenants_overloaded_requests_and_its_pending_ones() -> None:
+    core = make()
+    send(core, b"c", list(range(1, 104)), 0.0, tenant="free")  # max_queue 100, no engine yet
+    clients, _ = core.flush()
+    assert [r.status for r, _ in replies(clients, b"c")] == [Status.OVERLOADED] * 3
+    [t] = core.health(1).tenants
+    assert (t.name, t.admitted, t.rate_limited, t.overloaded, t.pending) == ("free", 103, 0, 3, 100)
 
 
 def test_broker_max_concurrent_counts_pending_requests_until_answered() -> None:
