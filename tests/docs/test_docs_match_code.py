@@ -108,6 +108,30 @@ def test_the_engine_options_table_names_every_option_of_causal_lm_with_its_defau
     assert not wrong, f"documented default against the code's: {wrong}"
 
 
+def _generator_option_defaults() -> dict[str, object]:
+    """GeneratorOptions' literal defaults, read from its source (importing the generator imports torch: 20 s)."""
+    tree = ast.parse((ROOT / "zserve" / "generator" / "generator.py").read_text())
+    options = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GeneratorOptions")
+    defaults = {}
+    for node in options.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            try:
+                defaults[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass  # a default built by a call (a factory): not a table's literal
+    return defaults
+
+
+def test_the_engine_options_table_has_the_generators_own_defaults() -> None:
+    """The Generator's options (what the step loop reads) default alike where the handler does not pass them."""
+    fields = _generator_option_defaults()
+    table = _engine_option_rows()
+    shared = sorted(set(fields) & set(table))
+    assert len(shared) > 10
+    wrong = {name: (table[name], fields[name]) for name in shared if json.loads(table[name].strip("`")) != fields[name]}
+    assert not wrong, f"documented default against GeneratorOptions': {wrong}"
+
+
 def test_the_one_required_engine_option_is_refused_when_missing() -> None:
     required = [name for name, cell in _engine_option_rows().items() if cell == "required"]
     assert required == ["path"]
