@@ -148,12 +148,18 @@ class BrokerCollector:
         yield from _tenants(self.report)
 
 
-def _tenants(report: HealthReport) -> Iterator[CounterMetricFamily]:
+def _tenants(report: HealthReport) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
     """Per tenant (docs/http-api.md#priorities-tenants-and-quotas), since the broker started."""
     admitted = CounterMetricFamily("zserve_tenant_admitted", "Requests admitted, per tenant", labels=["tenant"])
     limited = CounterMetricFamily(
         "zserve_tenant_rate_limited", "Requests answered 429, past one of the tenant's quotas", labels=["tenant"]
     )
+    overloaded = CounterMetricFamily(
+        "zserve_tenant_overloaded",
+        "Requests answered 503 after the tenant's quotas: a full queue, or a deadline out of reach",
+        labels=["tenant"],
+    )
+    pending = GaugeMetricFamily("zserve_tenant_pending", "The tenant's requests in the broker now", labels=["tenant"])
     served = CounterMetricFamily(
         "zserve_tenant_served_cost",
         "Cost (tokens, else requests) taken from a model's queue for the tenant: its fair share",
@@ -162,9 +168,11 @@ def _tenants(report: HealthReport) -> Iterator[CounterMetricFamily]:
     for t in report.tenants:
         admitted.add_metric([t.name], t.admitted)
         limited.add_metric([t.name], t.rate_limited)
+        overloaded.add_metric([t.name], t.overloaded)
+        pending.add_metric([t.name], t.pending)
         for model, cost in t.served_cost.items():
             served.add_metric([model, t.name], cost)
-    yield from (admitted, limited, served)
+    yield from (admitted, limited, overloaded, pending, served)
 
 
 def _routing(report: HealthReport) -> Iterator[CounterMetricFamily]:

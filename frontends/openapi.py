@@ -20,11 +20,17 @@ _TYPES: tuple[Any, ...] = (
     t.EmbeddingRequest, t.EmbeddingList, t.RerankRequest, t.RerankResponse, t.ScoreRequest, t.ScoreResponse,
     GenerateRequest, GenerateResponse,
 )  # fmt: skip
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds to wait before retrying"}}
+# Answered only to a request with an API key: its key's priority cap and its tenant's quotas.
+_KEYED = (403, 429)
 _WHY = {
     400: "a field is invalid (`field`/`param` names it), or the body is not JSON",
     401: "no API key, or not an accepted one (`Authorization: Bearer KEY`)",
+    403: "`priority` (or `X-Zserve-Priority`) is more urgent than the API key's `max_priority`",
     404: "no such model",
+    408: "the request was not sent whole within the keep-alive time",
     413: "the body is over `max_body_bytes`",
+    429: "the API key's tenant is past a quota, named in `field`/`param` (see `Retry-After`)",
     500: "the model failed on this request",
     503: "overloaded, shutting down or not ready (see `Retry-After`)",
     504: "not answered within the model's `timeout_ms`",
@@ -49,11 +55,19 @@ class _Builder:
             error_type: Any = t.Error, body: dict[str, Any] | None = None, health: bool = False,
             parameters: list[dict[str, Any]] | None = None, raw_body: bool = False) -> None:  # fmt: skip
         needs_key = self.secured and (self.auth_health or not health)
-        codes = sorted({*errors, 401} if needs_key else set(errors))
+        codes = set(errors)
+        if needs_key:
+            codes.add(401)
+            if not health and 503 in errors:  # a route whose requests reach the broker
+                codes.update(_KEYED)
+        responses = {str(c): _json(_ref(error_type), _WHY[c]) for c in sorted(codes)}
+        for c in (429, 503):
+            if c in codes:
+                responses[str(c)]["headers"] = _RETRY_AFTER
         operation: dict[str, Any] = {
             "summary": summary,
             "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
-            "responses": {"200": ok, **{str(c): _json(_ref(error_type), _WHY[c]) for c in codes}},
+            "responses": {"200": ok, **responses},
         }
         if parameters:
             operation["parameters"] = parameters
@@ -114,7 +128,7 @@ def openapi_document(
           {**_json({}, "the model's answer"), "headers": {
               "X-Zserve-Batch-Size": {"schema": {"type": "integer"}, "description": "the batch it ran in"},
               "X-Zserve-Queue-Ms": {"schema": {"type": "number"}, "description": "time queued in the broker"}}},
-          errors, body={}, parameters=_name_parameter("name", models), raw_body=True)  # fmt: skip
+          (*errors, 408), body={}, parameters=_name_parameter("name", models), raw_body=True)  # fmt: skip
     b.add("/v1/models", "get", "The models served", _json(_ref(t.ModelList), "the models"), ())
     b.add("/healthz", "get", "The frontend process is up", _json(_ref(t.Live), "up"), (), health=True)
     b.add("/readyz", "get", "Every model has a ready engine", _json(_ref(t.Ready), "ready"), (503,), health=True)

@@ -66,6 +66,19 @@ def model_lines(report: HealthReport) -> list[str]:
     return _table(rows)
 
 
+def tenant_lines(report: HealthReport) -> list[str]:
+    """Per tenant since the broker started (none without tenants): requests admitted past its quotas, refused
+    429 (a quota) and 503 (a full queue, or a deadline out of reach), in the broker now, and the cost served from
+    each model's queue (compare two tenants' to see their shares)."""
+    if not report.tenants:
+        return []
+    rows = [["TENANT", "ADMITTED", "REFUSED_429", "REFUSED_503", "PENDING", "SERVED_COST"]]
+    for t in report.tenants:
+        served = " ".join(f"{model}={cost}" for model, cost in sorted(t.served_cost.items())) or "-"
+        rows.append([t.name, str(t.admitted), str(t.rate_limited), str(t.overloaded), str(t.pending), served])
+    return ["", *_table(rows)]
+
+
 def _route_hit(m: ModelHealth) -> str:
     """Cache-aware routing's hit rate: prompt blocks found in the chosen engine's cache / prompt blocks routed."""
     requested = sum(r.prompt_blocks for r in m.routing)
@@ -107,7 +120,7 @@ def status(config: Config, config_path: str | os.PathLike[str], out: IO[str], ti
             report = None
             reasons = [str(exc)]
     if report is not None:
-        lines += ["", *model_lines(report), *version_lines(report)]
+        lines += ["", *model_lines(report), *version_lines(report), *tenant_lines(report)]
         reasons = not_ready(config, report, staged)
     lines += ["", "NOT READY: " + "; ".join(reasons) if reasons else "ready"]
     out.write("\n".join(lines) + "\n")

@@ -73,3 +73,21 @@ def test_a_request_of_several_inputs_counts_each_input_with_its_batch_size():
     assert f'zserve_requests_total{{code="400",model="{model}"}} 1.0' in text
     assert f'zserve_batch_size_count{{model="{model}"}} 2.0' in text
     assert f'zserve_batch_size_bucket{{le="4.0",model="{model}"}} 1.0' in text
+
+
+def test_tenant_metrics_come_from_the_health_report():
+    from zserve.protocol import HealthReport, TenantHealth
+
+    registry = CollectorRegistry()
+    tenant = TenantHealth("batch", 40, 7, {"lm": 900}, overloaded=3, pending=5)
+    registry.register(metrics.BrokerCollector(HealthReport(1, 1, False, [], [tenant])))
+    text = generate_latest(registry).decode()
+    expected = [
+        'zserve_tenant_admitted_total{tenant="batch"} 40.0',
+        'zserve_tenant_rate_limited_total{tenant="batch"} 7.0',
+        'zserve_tenant_overloaded_total{tenant="batch"} 3.0',
+        'zserve_tenant_pending{tenant="batch"} 5.0',
+        'zserve_tenant_served_cost_total{model="lm",tenant="batch"} 900.0',
+    ]
+    for line in expected:
+        assert line in text.splitlines(), line

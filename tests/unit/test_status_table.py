@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from zserve.config import parse_config
-from zserve.protocol import EngineRouting, HealthReport, ModelHealth
-from zserve.status import model_lines, not_ready
+from zserve.protocol import EngineRouting, HealthReport, ModelHealth, TenantHealth
+from zserve.status import model_lines, not_ready, tenant_lines
 
 CONFIG = parse_config("""
 [[models]]
@@ -42,3 +42,15 @@ def test_ready_needs_an_engine_per_model_a_stage_where_staged_and_no_drain():
         "enc: no ready preprocess stage", "lm: no ready engine",
     ]  # fmt: skip
     assert not_ready(CONFIG, HealthReport(1, 1, False, ready[:1]), staged=[]) == ["lm: no ready engine"]
+
+
+def test_tenant_lines_show_each_tenants_counts_and_served_cost_and_nothing_without_tenants():
+    assert tenant_lines(HealthReport(1, 1, False, [])) == []
+    tenants = [TenantHealth("batch", 40, 7, {"lm": 900, "enc": 12}, overloaded=3, pending=5), TenantHealth("web")]
+    _, header, batch, web = tenant_lines(HealthReport(1, 1, False, [], tenants))
+    names = header.split()
+    assert dict(zip(names, batch.split(maxsplit=5), strict=True)) == {
+        "TENANT": "batch", "ADMITTED": "40", "REFUSED_429": "7", "REFUSED_503": "3", "PENDING": "5",
+        "SERVED_COST": "enc=12 lm=900",
+    }  # fmt: skip
+    assert web.split() == ["web", "0", "0", "0", "0", "-"]
