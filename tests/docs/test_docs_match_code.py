@@ -291,6 +291,9 @@ def test_the_layout_in_architecture_names_every_module() -> None:
     )
     unnamed = [module for module in modules if not re.search(rf"(?<![\w]){re.escape(Path(module).name)}", layout)]
     assert not unnamed, f"modules docs/architecture.md's layout does not name: {unnamed}"
+    named = set(re.findall(r"(?<![\w/.])(\w+\.py)\b", layout))
+    gone = sorted(named - {Path(m).name for m in modules} - {"__init__.py"})
+    assert not gone, f"modules docs/architecture.md's layout names that do not exist: {gone}"
 
 
 def test_every_metric_a_page_names_is_exported() -> None:
