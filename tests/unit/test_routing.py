@@ -59,6 +59,20 @@ def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once()
     assert index.matches([7], [B]) == {B: 0} and index.matches([9], [B]) == {B: 1}
 
 
+def test_an_engines_log_stays_within_twice_its_bound_under_churn():
+    index = PrefixIndex()
+    index.reset(A, [], kv_blocks=MIN_ENTRIES)
+    for start in range(0, 20 * MIN_ENTRIES, 8):  # stored and evicted, as a full engine reports them
+        index.update(A, range(start, start + 8), range(start - MIN_ENTRIES, start - MIN_ENTRIES + 8))
+        assert len(index._logs[A]) <= 2 * MIN_ENTRIES
+    assert len(index) == MIN_ENTRIES
+    index.update(A, [], [20 * MIN_ENTRIES - 1])
+    index.update(A, [20 * MIN_ENTRIES - 1], [])  # evicted, then stored again: held once, counted once
+    assert len(index) == MIN_ENTRIES and index.holds(A, 20 * MIN_ENTRIES - 1)
+    index.drop(A)  # the log finds every hash it still holds
+    assert len(index) == 0 and index._holders == {}
+
+
 def test_policy_match_spill_and_least_loaded():
     router = PrefixRouter(spill_ratio=1.5, spill_slack=2)
     router.index.reset(A, [1, 2, 3])
@@ -209,6 +223,23 @@ def test_in_flight_prompts_count_each_sequence_and_go_with_it():
     inflight.drop(B)
     assert len(inflight) == 0 and list(inflight.engines_at(1)) == []
     inflight.remove(99)  # unknown: nothing to do
+
+
+def test_in_flight_identical_prompts_and_the_compared_bound():
+    inflight = InFlightPrompts()
+    inflight.add(1, A, [1, 2, 3])
+    inflight.add(2, A, [1, 2, 3])  # an equal prompt (another list): removing either leaves the other
+    inflight.remove(1)
+    assert inflight.matches([1, 2, 3], [A]) == {A: 3}
+    inflight.remove(2)
+    assert inflight.matches([1, 2, 3], [A]) == {A: 0}
+    inflight.add(3, A, [1, 2, 3, 4])
+    for i in range(InFlightPrompts.MAX_COMPARED):  # later prompts under the same first block, shorter matches
+        inflight.add(10 + i, A, [1, 5 + i])
+    # only the last MAX_COMPARED are compared: a worse route at worst, never a wrong answer
+    assert inflight.matches([1, 2, 3, 4], [A]) == {A: 1}
+    inflight.remove(10)
+    assert inflight.matches([1, 2, 3, 4], [A]) == {A: 4}
 
 
 def test_a_model_with_one_engine_is_not_routed():
