@@ -38,6 +38,7 @@ class BusyConnection(asyncio.Protocol):
         self.parser = gunicorn_h1c.H1CProtocol(on_headers_complete=self._on_headers, **connections.parser_limits)
         self.transport: asyncio.Transport | None = None
         self.answered = False
+        self.received = False  # some bytes of a request came
         self.counted = False
         self.timer: asyncio.TimerHandle | None = None
 
@@ -47,8 +48,7 @@ class BusyConnection(asyncio.Protocol):
         gunicorn_internals.connection_opened(self.worker)
         self.connections.busy += 1
         self.counted = True
-        # A client that sends nothing is closed like an idle one: there is no request to answer.
-        self.timer = self.worker.loop.call_later(gunicorn_internals.keepalive_s(self.worker), transport.close)
+        self.timer = self.worker.loop.call_later(gunicorn_internals.keepalive_s(self.worker), self._expire)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
@@ -58,7 +58,17 @@ class BusyConnection(asyncio.Protocol):
             self.connections.busy -= 1
             gunicorn_internals.connection_closed(self.worker)
 
+    def _expire(self) -> None:
+        """No whole request head within the idle time: 408 for a request begun; a client that sent nothing is
+        closed like an idle one (there is no request to answer)."""
+        if not self.received:
+            self.transport.close()
+        elif not self.answered:
+            message = "the request was not sent whole within the keep-alive time"
+            self._answer(error_response(408, "request_timeout", message, connection=CLOSE))
+
     def data_received(self, data: bytes) -> None:
+        self.received = True
         if self.answered:
             return  # the rest of a request that is answered already: dropped
         try:

@@ -157,3 +157,21 @@ def test_a_request_never_sent_whole_is_answered_408(deployment):
         assert headers["connection"] == "close" and closed_by_server(s)
     finally:
         s.close()
+
+
+def test_a_request_head_never_sent_whole_past_the_limit_is_answered_408(deployment):
+    held = [connect(deployment) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for s in held:
+            s.sendall(PREDICT)
+            read_response(s)
+        s = connect(deployment)
+        try:
+            s.sendall(PREDICT[:20])  # the head never ends
+            status, headers, _ = read_response(s)
+            assert status == 408 and headers["connection"] == "close"
+        finally:
+            s.close()
+    finally:
+        for s in held:
+            s.close()
