@@ -19,13 +19,13 @@ import gunicorn_h1c
 
 from zserve.frontends import gunicorn_internals
 from zserve.frontends.fast_answers import CLOSE, error_response
+from zserve.frontends.fast_http import LINGER_S
 
 if TYPE_CHECKING:
     from zserve.frontends.fast_http import FastConnections
 
 log = logging.getLogger("zserve.frontend")
 
-LINGER_S = 2.0  # as fast_http.LINGER_S
 RETRY_AFTER_S = 1
 
 
