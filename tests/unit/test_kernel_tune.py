@@ -89,3 +89,40 @@ def test_out_of_time_the_rest_runs_on_onednn_and_the_choice_is_not_cached(cache,
     for layer in model:
         assert layer.route.kinds == (kernel_choice.ONEDNN,) * 3  # nothing measured within a budget of 0 s
     assert not list(cache.glob("kernels/linear-choice-*.json"))
+
+
+def _cache_index(root, name: str, level: int, size: str) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "level").write_text(f"{level}\n")
+    (root / name / "size").write_text(f"{size}\n")
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    _cache_index(tmp_path, "index0", 1, "32K")
+    _cache_index(tmp_path, "index2", 2, "1024K")
+    _cache_index(tmp_path, "index3", 3, "32768K")
+    assert kernel_tune.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    _cache_index(tmp_path, "index4", 4, "1G")
+    assert kernel_tune.last_level_cache_bytes(str(tmp_path)) == 1 << 30
+    assert kernel_tune.last_level_cache_bytes(str(tmp_path / "absent")) == kernel_tune._L3_DEFAULT_BYTES
+
+
+def test_few_rows_are_timed_on_more_weights_than_the_cache_holds(monkeypatch):
+    """A decode step reads its weights from memory: the timed pass covers 1.5x the last-level cache of the
+    shape's layers where it has that many, and where it has fewer, each pass starts after a flush."""
+    assert kernel_tune._FEW_ROWS >= 32  # max_running's usual 32 decodes are timed streaming too
+    layers = [nn.Linear(256, 256, bias=False) for _ in range(40)]  # 256 KiB each
+    assert len(kernel_tune._streamed(layers, 3 << 20)) == 12  # 3 MiB of them
+    assert len(kernel_tune._streamed(layers, 64 << 20)) == 40  # all there are
+    [cut] = kernel_tune._streamed(layers[:1], 96 << 10)
+    assert cut.out_features == 96 and cut.weight.data_ptr() == layers[0].weight.data_ptr()  # columns of one
+
+    flushes = []
+    monkeypatch.setattr(kernel_tune._Flush, "__call__", lambda self: flushes.append(self.size))
+    monkeypatch.setattr(kernel_tune, "last_level_cache_bytes", lambda: 8 << 20)
+    small = [nn.Linear(64, 96) for _ in range(3)]  # 72 KiB in all: fewer than the cache holds
+    kernel_tune.measure({"64->96+b": small}, {"64->96+b": (1, 32, 128)}, budget_s=30)
+    candidates = len(kernel_tune.candidates(small[0].weight))
+    assert flushes and set(flushes) == {12 << 20}  # 1.5x the cache
+    assert len(flushes) >= 2 * candidates  # every timed pass at 1 and 32 rows, none at 128 (compute-bound)
+    assert len(flushes) <= 2 * candidates * kernel_tune._REPEATS

@@ -18,6 +18,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,14 +29,19 @@ from zserve.gguf_cache import zserve_cache
 log = logging.getLogger("zserve.engine")
 
 BUDGET_S = 1.2  # measuring; packing the samples and the first runs take the rest of ~2 s
-_STREAM_BYTES = 16 << 20  # a few-row product reads its weights from memory in a real step: time over enough
-# distinct weights that they do not stay in a core's L2 (and mostly not in L3)
-_FEW_ROWS = 16
+# A decode step streams every layer's weights from memory, so a product of a few rows is timed on more distinct
+# weights than the last-level cache holds, each pass starting with them out of it. Timed on 16 MiB (within a 32 MiB
+# L3), a schedule that reads the weights more than once looked best and was 7-10% slower in real steps at 8-32
+# decodes (AVX-512, issue 33).
+_STREAM_L3 = 1.5  # the weights of a timed pass, in last-level caches
+_STREAM_MAX_BYTES = 128 << 20  # at most: a pass of 128 MiB takes ~10 ms on one core
+_L3_DEFAULT_BYTES = 32 << 20  # where the size cannot be read
+_FEW_ROWS = 64  # up to here a product reads its weights from memory (at 32 rows, 16 flops a byte of weight)
 _MANY_FLOP = 200_000_000  # many rows: time a slice of outputs of about this many flops (~2-4 ms on one core)
 _GROUP = 96  # outputs in whole groups of panels of every variant (16 x 6, 8 x 12)
 _REPEATS = 3
 _GRACE_S = 1.0  # past the budget by this much (a machine far busier than its cores), the rest is not measured
-_VERSION = 2  # of how it measures: a cached choice made another way is measured again
+_VERSION = 3  # of how it measures: a cached choice made another way is measured again
 
 
 def candidates(weight: torch.Tensor) -> list[str]:
@@ -121,18 +127,21 @@ def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
 
 
 def measure(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ...]], budget_s: float = BUDGET_S):
-    """{shape: {rows: {candidate: seconds per product, or None where it failed}}}. A few rows are timed on a
-    pass over enough of the shape's own layers (or columns of one) that their weights are read from memory,
-    as in a real step; many rows on a slice of one layer's outputs small enough to time in a few ms (the
-    product is compute-bound there, and its time per output the same). Each candidate gets an equal share of
+    """{shape: {rows: {candidate: seconds per product, or None where it failed}}}. A few rows (up to 64) are
+    timed on a pass over 1.5x the last-level cache of the shape's own layers (or columns of one), so that their
+    weights are read from memory as in a real step (fewer layers than that: all, after flushing the cache);
+    many rows on a slice of one layer's outputs small enough to time in a few ms (the product is compute-bound
+    there, and its time per output the same). Each candidate gets an equal share of
     what is left of ``budget_s`` (and one timed pass at least, however long)."""
     timings: dict[str, dict[int, dict[str, float | None]]] = {}
     deadline = time.perf_counter() + budget_s  # past it (and the grace), what is left is not measured: None
     names = {shape: candidates(layers[0].weight) for shape, layers in groups.items()}
     slots = sum(len(buckets[s]) * len(names[s]) for s in groups)
+    stream_bytes = min(_STREAM_MAX_BYTES, int(_STREAM_L3 * last_level_cache_bytes()))
+    flush = _Flush(stream_bytes)
     with torch.inference_mode():
         for shape, layers in groups.items():
-            few = _streamed(layers)
+            few = _streamed(layers, stream_bytes)
             packed_few = _packed(few, names[shape])
             timings[shape] = {}
             for rows in buckets[shape]:
@@ -143,21 +152,55 @@ def measure(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
                 x = torch.randn(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
                 want = sample[0](x)
                 timings[shape][rows] = {}
+                # a pass over fewer weights than the cache holds is timed after flushing them out of it
+                cold = flush if sample is few and _bytes(few) < stream_bytes else None
                 for name in names[shape]:
                     share = max(0.0, deadline - time.perf_counter()) / slots
                     slots -= 1
                     runs = packed[name]
                     late = time.perf_counter() > deadline + _GRACE_S
-                    timings[shape][rows][name] = _time(runs, x, want, share, deadline) if runs and not late else None
+                    timed = _time(runs, x, want, share, deadline, cold) if runs and not late else None
+                    timings[shape][rows][name] = timed
     return timings
 
 
-def _streamed(layers: list[nn.Linear]) -> list[nn.Linear]:
-    """About ``_STREAM_BYTES`` of the layers' weights: enough whole layers, or the leading outputs of one."""
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of this CPU's last-level cache (the highest level of cpu0's caches, Linux's sysfs), or
+    ``_L3_DEFAULT_BYTES`` where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    found: dict[int, int] = {}
+    for index in Path(root).glob("index[0-9]*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            found[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+    return found[max(found)] if found and found[max(found)] > 0 else _L3_DEFAULT_BYTES
+
+
+def _bytes(layers: list[nn.Linear]) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in layers)
+
+
+class _Flush:
+    """Reading ``size`` bytes of its own evicts what a pass read before from the caches; made on first use."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.buffer = size, None
+
+    def __call__(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.ones(self.size // 4, dtype=torch.float32)
+        self.buffer.sum()
+
+
+def _streamed(layers: list[nn.Linear], stream_bytes: int) -> list[nn.Linear]:
+    """About ``stream_bytes`` of the layers' weights: enough whole layers (all of them where they hold fewer), or
+    the leading outputs of one."""
     bytes_per = layers[0].weight.numel() * layers[0].weight.element_size()
-    if bytes_per > _STREAM_BYTES:
-        return [_columns(layers[0], _STREAM_BYTES // (layers[0].in_features * layers[0].weight.element_size()))]
-    return layers[: max(1, min(len(layers), _STREAM_BYTES // bytes_per))]
+    if bytes_per > stream_bytes:
+        return [_columns(layers[0], stream_bytes // (layers[0].in_features * layers[0].weight.element_size()))]
+    return layers[: max(1, min(len(layers), stream_bytes // bytes_per))]
 
 
 def _columns(linear: nn.Linear, outputs: int) -> nn.Linear:
@@ -196,9 +239,13 @@ def _clock() -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
-def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float, deadline: float) -> float | None:
+def _time(
+    layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: float, deadline: float,
+    flush: Callable[[], None] | None = None,
+) -> float | None:  # fmt: skip
     """Seconds per product: best of 1 to ``_REPEATS`` passes within ``share`` (and the wall clock's
-    ``deadline``) after a first run that checks the result; None where it raised or was wrong."""
+    ``deadline``) after a first run that checks the result, ``flush`` (untimed) before each pass where given;
+    None where it raised or was wrong."""
     kind, clock = layers[0].route.kinds[0], _clock()
     try:
         t0 = clock()
@@ -212,6 +259,8 @@ def _time(layers: list[Callable], x: torch.Tensor, want: torch.Tensor, share: fl
             # at least one pass after the first run (oneDNN makes its primitive for a new shape there)
             if best < math.inf and (spent >= share or time.perf_counter() >= deadline):
                 break
+            if flush is not None:
+                flush()
             t0 = clock()
             for layer in layers:
                 layer(x)
