@@ -86,15 +86,22 @@ def test_a_gguf_keeps_its_q4_1_blocks_which_stand_for_the_dequantised_weights(sm
     )  # fmt: skip  # quantization "auto": the file's own blocks
     model, ref = kept.model.generator.core.model, smollm2_dequantized.model.generator.core.model
     layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
-    assert len(layers) == 4 * len(model.layers)  # every linear layer of every block; not the LM head
+    # every linear layer of every block, and the LM head: the file's token_embd (Q8_0), tied to the embedding
+    assert len(layers) == 4 * len(model.layers) + 1
+    assert isinstance(model.embed, quant_linear.QuantEmbedding) and model.embed.table is model.lm_head
+    assert {layer.fmt for layer in layers} == {"u4m", "i8"} == {layer.fmt for layer in layers if layer.native}
     packed, fp32_bytes = quant_linear.weight_bytes(model)
-    assert packed <= 0.32 * fp32_bytes  # one int8 a weight, an fp32 scale and minimum per 32: 0.31x
+    # 4-bit values two a byte, fp16 scale and minimum per 32 (0.625 bytes a weight); the head 1.0625: 0.18x
+    assert packed <= 0.19 * fp32_bytes
     # the same weights as transformers' dequantisation (q and k rows unpermuted like it), to fp32 rounding
     for ours, theirs in zip(model.layers, ref.layers, strict=True):
         for name in ("qkv", "o_proj", "gate_up", "down_proj"):
             torch.testing.assert_close(
                 getattr(ours, name).dequantized(), getattr(theirs, name).weight, rtol=1e-6, atol=1e-6
             )
+    torch.testing.assert_close(model.lm_head.dequantized(), ref.lm_head.weight, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([0, 2, 1000, 49151])
+    torch.testing.assert_close(model.embed(ids), ref.embed(ids), rtol=1e-6, atol=1e-6)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     got = kept(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
     want = smollm2_dequantized(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
@@ -119,9 +126,10 @@ def test_a_q8_0_gguf_is_served_with_its_blocks_kept(tmp_path):
     runs = {q: zserve.pipeline("zserve.models.causal_lm:CausalLM", **options, quantization=q) for q in ("auto", "none")}
     model = runs["auto"].model.generator.core.model
     layers = [m for m in model.modules() if isinstance(m, quant_linear.QuantLinear)]
-    assert len(layers) == 4 * len(model.layers) and all(layer.m is None for layer in layers)  # Q8_0: no minimums
+    assert len(layers) == 4 * len(model.layers) + 1 and all(layer.m is None for layer in layers)  # Q8_0: no minimums
+    assert {layer.fmt for layer in layers} == {"i8"} and all(layer.s.dtype == torch.float16 for layer in layers)
     packed, fp32_bytes = quant_linear.weight_bytes(model)
-    assert packed <= 0.3 * fp32_bytes  # 1.125 bytes a weight
+    assert packed <= 0.27 * fp32_bytes  # 1.0625 bytes a weight, as the file
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
     got, want = (runs[q](prompts, max_new_tokens=24, ignore_eos=True) for q in ("auto", "none"))
     # Q8_0 multiplies back exactly what transformers dequantises, summed in the fp32 kernel's order

@@ -1,67 +1,119 @@
-"""A C kernel for linear layers whose weights stay int8 in memory: y = x w^T + b with w = q * s (+ m), q int8,
-one fp32 scale s (and, optionally, minimum m) per output and block of 32 inputs. That form holds GGUF's Q8_0,
-Q4_0, Q4_1 and Q4_K exactly (``zserve/gguf_quant.py``) and per-output-channel symmetric int8 (the row's one
-scale repeated over its blocks).
+"""A C kernel for linear layers whose weights stay quantised in memory: y = x w^T + b with w = q * s (+ m),
+one scale s (and, for some formats, a minimum m) per output and block of 32 inputs. That form holds GGUF's
+Q8_0, Q4_0, Q4_1 and Q4_K exactly (``zserve/gguf_quant.py``) and per-output-channel symmetric int8 (the row's
+one scale repeated over its blocks).
 
 Why: a decode step on a CPU reads every weight once and is bound by memory bandwidth; int8 reads 1 byte a
-weight (plus 4 bytes of scale per 32) where fp32 reads 4, so 0.28x the bytes.
+weight where fp32 reads 4, and 4-bit values packed two a byte read half a byte.
 
-The layout is ``native_linear``'s panels, in int8: q packed [N/W][K][W] (W the floats in one vector register
-of the ISA: 16 AVX-512, 8 AVX2, 4 portable), the scales [N/W][K/32][W]. The tile converts each weight vector
-to fp32 in registers, multiplies it by its block's scale (giving exactly the dequantised fp32 weight: q * s
-is one rounding of the same product) and FMAs it into one accumulator per row and panel, over the inputs in
-order: the sums are those of ``native_linear`` on the dequantised weights, to rounding of the FMA contraction.
-Activations stay fp32 (no int8 dot products): what this costs in arithmetic is the conversion, shared by
-every row of a tile.
+The layout is ``native_linear``'s panels (W the floats in one vector register of the ISA: 16 AVX-512, 8
+AVX2, 4 portable), in one of three formats (``Packed``):
+
+- ``i8``: q int8 [N/W][K][W]; Q8_0 and per-channel int8;
+- ``i8m``: the same with a minimum per block (a product stacking 8-bit and 4-bit parts);
+- ``u4m``: 4-bit values 0..15 two a byte, [N/W][K/2][W] (input 2j in the low nibble, 2j+1 in the high),
+  with a minimum per block: Q4_1 and Q4_K as they are, Q4_0 as w = d v - 8 d.
+
+Scales and minimums are [N/W][K/32][W], fp16 where that holds them exactly (GGUF's Q8_0, Q4_0 and Q4_1
+store fp16 scales: 2 bytes a block, so Q4_1 takes 0.625 bytes a weight), else fp32 (Q4_K's d * sc, the
+per-channel int8 scale). The tile converts each weight vector to fp32 in registers, multiplies it by its
+block's scale (exactly the dequantised fp32 weight: q * s is one rounding of the same product) and FMAs it
+into one accumulator per row and panel, over the inputs in order; the minimums are added once a block, times
+the block's sum of x. Activations stay fp32 (no int8 dot products): what this costs in arithmetic is the
+conversion, shared by every row of a tile.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from zserve.generator import c_build
 
 BLOCK = 32  # inputs per scale: GGUF's Q8_0 block
+FORMATS = ("i8", "i8m", "u4m")  # see the module's docstring
 
-# (rows a block takes at most, panels for each block size): what fits the ISA's registers with the
-# accumulators, the converted weight vectors and their scales (AVX-512: 32 registers, AVX2/portable: 16)
+# (rows a block takes at most, panels for each block size) for the 8-bit formats and for u4m: what fits the
+# ISA's registers with the accumulators, the converted weight vectors and their scales (AVX-512: 32
+# registers, AVX2/portable: 16); u4m holds two converted weight vectors a panel (and the nibble mask)
 _SCHEDULES = {
-    "avx512": (8, (8, 6, 4, 4, 4, 3, 3, 3)),
-    "avx2": (6, (4, 3, 3, 2, 2, 2)),
-    "portable": (6, (4, 3, 3, 2, 2, 2)),
+    "avx512": ((8, (8, 6, 4, 4, 4, 3, 3, 3)), (8, (6, 6, 4, 4, 4, 3, 3, 2))),
+    "avx2": ((6, (4, 3, 3, 2, 2, 2)), (6, (3, 2, 2, 2, 1, 1))),
+    "portable": ((6, (4, 3, 3, 2, 2, 2)), (6, (3, 2, 2, 2, 1, 1))),
 }
 
 _TILE = r"""
-/* VW int8 at p -> VW floats: GCC lowers __builtin_convertvector from int8 lanes to one scalar conversion a lane
-   (16 movsbl + vpinsrd a vector, 3x slower than fp32's product), so x86's sign extensions by hand */
+/* VW int8 at p -> VW floats; VW bytes of two 4-bit values each -> the low and the high nibbles' VW floats;
+   VW fp16 -> VW floats. GCC lowers __builtin_convertvector from int8 lanes to one scalar conversion a lane
+   (16 movsbl + vpinsrd a vector, 3x slower than fp32's product), so x86's extensions by hand */
 #if VW == 16 && defined(__AVX512F__)
 #include <immintrin.h>
 static inline vf vq2f(const int8_t *p) {
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-#elif VW == 8 && defined(__AVX2__)
+static inline void vq4f(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline vf vh2f(const uint16_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif VW == 8 && defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 static inline vf vq2f(const int8_t *p) {
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+static inline void vq4f(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+static inline vf vh2f(const uint16_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #else
 static inline vf vq2f(const int8_t *p) {
     vfi v;
     for (int i = 0; i < VW; i++) v[i] = p[i];
     return __builtin_convertvector(v, vf);
 }
+static inline void vq4f(const uint8_t *p, vf *lo, vf *hi) {
+    vfi l, h;
+    for (int i = 0; i < VW; i++) l[i] = p[i] & 15, h[i] = p[i] >> 4;
+    *lo = __builtin_convertvector(l, vf), *hi = __builtin_convertvector(h, vf);
+}
+/* fp16 bits -> float: the exponent and mantissa moved into a float's place read 2^-112 times the value
+   (subnormals included), so one product by 2^112 restores it exactly; infinities and NaNs apart */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7fff;
+    union { uint32_t u; float f; } v;
+    if (em >= 0x7c00) {
+        v.u = sign | 0x7f800000 | (em & 0x3ff) << 13;
+        return v.f;
+    }
+    v.u = em << 13;
+    v.f *= 0x1p112f;
+    v.u |= sign;
+    return v.f;
+}
+static inline vf vh2f(const uint16_t *p) {
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = h2f(p[i]);
+    return v;
+}
 #endif
-/* y[MB rows][NP * VW] = x[MB][K] (q * s + m)^T (+ bias): q is NP panels [K][VW] int8, s and m NP panels
-   [K/32][VW] (m only where WITHMIN: GGUF's Q4_1 and Q4_K have a minimum per block, Q8_0 and Q4_0 none). The
-   minimums are not added to each weight but once a block, times the block's sum of x (xs [MB][K/32]): one
-   FMA a block where adding them cost one operation a weight vector (Q4_1's step then ran 1.2x int8's) */
-#define TILE(MB, NP, SUFFIX, WITHMIN)                                                                        \
-    static void tile_##MB##_##NP##SUFFIX(const float *x, long ldx, const int8_t *q, const float *s,          \
-                                         const float *mn, const float *xs, int K, const float *bias,         \
-                                         float *y, long ldy) {                                               \
+/* a block's VW scales (or minimums): fp16 or fp32 */
+#define SLOAD(HALF, base, i) ((HALF) ? vh2f((const uint16_t *)(base) + (i)) : vload((const float *)(base) + (i)))
+/* y[MB rows][NP * VW] = x[MB][K] (q * s + m)^T (+ bias): FMT 0 (i8) q NP panels [K][VW] int8; 1 (i8m) the
+   same with minimums; 2 (u4m) NP panels [K/2][VW] of two 4-bit values a byte, with minimums. s and m NP
+   panels [K/32][VW], fp16 where HALF. The minimums are not added to each weight but once a block, times the
+   block's sum of x (xs [MB][K/32]): one FMA a block where adding them cost one operation a weight vector.
+   (Multiplying one row's block sums by the scale once a block, not each weight vector, measured 5-25%
+   slower on both ISAs.) */
+#define TILE(MB, NP, FMT, HALF)                                                                              \
+    static void tile_##MB##_##NP##_##FMT##_##HALF(const float *x, long ldx, const void *q, const void *s,    \
+                                                 const void *mn, const float *xs, int K, const float *bias,  \
+                                                 float *y, long ldy) {                                       \
         vf acc[MB][NP];                                                                                      \
         for (int p = 0; p < NP; p++) {                                                                       \
             const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
@@ -70,18 +122,33 @@ static inline vf vq2f(const int8_t *p) {
         const int KB = K / 32;                                                                               \
         for (int kb = 0; kb < KB; kb++) {                                                                    \
             vf sc[NP];                                                                                       \
-            for (int p = 0; p < NP; p++) sc[p] = vload(s + ((long)p * KB + kb) * VW);                        \
-            for (int k = kb * 32; k < kb * 32 + 32; k++) {                                                   \
-                vf wv[NP];                                                                                   \
-                for (int p = 0; p < NP; p++) wv[p] = vq2f(q + ((long)p * K + k) * VW) * sc[p];               \
-                for (int m = 0; m < MB; m++) {                                                               \
-                    const float xv = x[m * ldx + k];                                                         \
-                    for (int p = 0; p < NP; p++) acc[m][p] += xv * wv[p];                                    \
+            for (int p = 0; p < NP; p++) sc[p] = SLOAD(HALF, s, ((long)p * KB + kb) * VW);                   \
+            if (FMT == 2) {                                                                                  \
+                for (int k = kb * 32; k < kb * 32 + 32; k += 2) {                                            \
+                    vf w0[NP], w1[NP];                                                                       \
+                    for (int p = 0; p < NP; p++) {                                                           \
+                        vq4f((const uint8_t *)q + ((long)p * K + k) / 2 * VW, &w0[p], &w1[p]);               \
+                        w0[p] *= sc[p], w1[p] *= sc[p];                                                      \
+                    }                                                                                        \
+                    for (int m = 0; m < MB; m++) {                                                           \
+                        const float x0 = x[m * ldx + k], x1 = x[m * ldx + k + 1];                            \
+                        for (int p = 0; p < NP; p++) acc[m][p] += x0 * w0[p] + x1 * w1[p];                   \
+                    }                                                                                        \
+                }                                                                                            \
+            } else {                                                                                         \
+                for (int k = kb * 32; k < kb * 32 + 32; k++) {                                               \
+                    vf wv[NP];                                                                               \
+                    for (int p = 0; p < NP; p++)                                                             \
+                        wv[p] = vq2f((const int8_t *)q + ((long)p * K + k) * VW) * sc[p];                    \
+                    for (int m = 0; m < MB; m++) {                                                           \
+                        const float xv = x[m * ldx + k];                                                     \
+                        for (int p = 0; p < NP; p++) acc[m][p] += xv * wv[p];                                \
+                    }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
-            if (WITHMIN)                                                                                     \
+            if (FMT != 0)                                                                                    \
                 for (int p = 0; p < NP; p++) {                                                               \
-                    const vf mv = vload(mn + ((long)p * KB + kb) * VW);                                      \
+                    const vf mv = SLOAD(HALF, mn, ((long)p * KB + kb) * VW);                                 \
                     for (int m = 0; m < MB; m++) acc[m][p] += xs[(long)m * KB + kb] * mv;                    \
                 }                                                                                            \
         }                                                                                                    \
@@ -91,16 +158,18 @@ static inline vf vq2f(const int8_t *p) {
 """
 
 _ENTRY = r"""
-/* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) (q * s + mn)^T (+ bias [N]), mn NULL for none; N a
-   multiple of VW, K of 32.
-   Rows in blocks of even size up to CAP, a block of r rows against groups of PANELS[r] panels, the groups
+/* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) (q * s + mn)^T (+ bias [N]) in format fmt (0 i8,
+   1 i8m, 2 u4m), scales and minimums fp16 where half; N a multiple of VW, K of 32.
+   Rows in blocks of even size up to CAP, a block of r rows against groups of PANELS[r] panels (each the
+   format's: 8-bit or u4m), the groups
    split over `threads` threads (torch's OpenMP pool). */
-int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float *s, const float *mn, int N,
-                   int K, const float *bias, float *y, long ldy, int threads) {
-    if (K % 32) return -1;
+int zserve_qlinear(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt,
+                   int half, int N, int K, const float *bias, float *y, long ldy, int threads) {
+    if (K % 32 || fmt < 0 || fmt > 2 || (fmt && !mn)) return -1;
     const int KB = K / 32;
+    const size_t qbytes = fmt == 2 ? (size_t)K * VW / 2 : (size_t)K * VW, sbytes = (half ? 2 : 4) * (size_t)KB * VW;
     float *xs = 0; /* each row's sum over each block: what the blocks' minimums multiply */
-    if (mn) {
+    if (fmt) {
         xs = malloc(sizeof(float) * (size_t)M * KB);
         if (!xs) return -2;
         for (int m = 0; m < M; m++)
@@ -110,19 +179,20 @@ int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float
                 xs[(long)m * KB + kb] = t;
             }
     }
-    const int blocks = (M + CAP - 1) / CAP, rows = (M + blocks - 1) / blocks;
-    const int np = PANELS[rows], panels = N / VW, groups = (panels + np - 1) / np;
+    const tile_fn(*table)[MAXP + 1] = TILES[fmt * 2 + (half != 0)];
+    const int cap = CAP[fmt == 2], blocks = (M + cap - 1) / cap, rows = (M + blocks - 1) / blocks;
+    const int np = PANELS[fmt == 2][rows], panels = N / VW, groups = (panels + np - 1) / np;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int g = 0; g < groups; g++) {
         const int p0 = g * np, width = panels - p0 < np ? 1 : np; /* a last, partial group one panel at a time */
         for (int p = p0; p < p0 + np && p < panels; p += width) {
-            const int8_t *qp = q + (long)p * K * VW;
-            const float *sp = s + (long)p * (K / 32) * VW, *b = bias ? bias + p * VW : 0;
-            const float *mp = mn ? mn + (long)p * (K / 32) * VW : 0;
+            const char *qp = (const char *)q + p * qbytes, *sp = (const char *)s + p * sbytes;
+            const char *mp = mn ? (const char *)mn + p * sbytes : 0;
+            const float *b = bias ? bias + p * VW : 0;
             for (int m0 = 0; m0 < M; m0 += rows) {
                 const int mb = M - m0 < rows ? M - m0 : rows;
-                (mn ? TILES_MIN : TILES)[mb][width](x + (long)m0 * ldx, ldx, qp, sp, mp, xs ? xs + (long)m0 * KB : 0,
-                                                    K, b, y + (long)m0 * ldy + p * VW, ldy);
+                table[mb][width](x + (long)m0 * ldx, ldx, qp, sp, mp, xs ? xs + (long)m0 * KB : 0, K, b,
+                                 y + (long)m0 * ldy + p * VW, ldy);
             }
         }
     }
@@ -133,28 +203,40 @@ int zserve_qlinear(const float *x, long ldx, int M, const int8_t *q, const float
 
 
 def source(isa: str) -> str:
-    """The C source for ``isa``: the tiles its schedule runs and the entry point."""
-    cap, panels = _SCHEDULES[isa]
-    tiles = {(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)}
-    max_panels = max(panels)
+    """The C source for ``isa``: the tiles its schedules run, in every format, and the entry point."""
+    schedules = _SCHEDULES[isa]
+    cap = max(c for c, _ in schedules)
+    max_panels = max(max(p) for _, p in schedules)
+    combos = [(fmt, half) for fmt in range(len(FORMATS)) for half in (0, 1)]
 
-    def table(suffix: str) -> str:
-        return "\n".join(
-            "    {"
-            + ", ".join(f"tile_{mb}_{np}{suffix}" if (mb, np) in tiles else "0" for np in range(max_panels + 1))
+    def tiles(fmt: int) -> list[tuple[int, int]]:
+        cap, panels = schedules[fmt == 2]
+        return sorted({(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)})
+
+    def table(fmt: int, half: int) -> str:
+        have = set(tiles(fmt))
+        rows = (
+            "        {"
+            + ", ".join(f"tile_{mb}_{np}_{fmt}_{half}" if (mb, np) in have else "0" for np in range(max_panels + 1))
             + "},"
             for mb in range(cap + 1)
         )
+        return "    {\n" + "\n".join(rows) + "\n    },"
+
+    def row(values: tuple[int, ...]) -> str:
+        return "{" + ", ".join(map(str, (0, *values, *[values[-1]] * (cap - len(values))))) + "}"
 
     return (
         c_build.vectors(c_build.ISAS[isa].width)
-        + f"#define CAP {cap}\nstatic const int PANELS[] = {{0, {', '.join(map(str, panels))}}};\n"
-        + "typedef void (*tile_fn)(const float *, long, const int8_t *, const float *, const float *, const float *,"
+        + f"static const int CAP[2] = {{{schedules[0][0]}, {schedules[1][0]}}};\n#define MAXP {max_panels}\n"
+        + f"static const int PANELS[2][{cap + 1}] = {{{row(schedules[0][1])}, {row(schedules[1][1])}}};\n"
+        + "typedef void (*tile_fn)(const float *, long, const void *, const void *, const void *, const float *,"
         + " int, const float *, float *, long);\n"
         + _TILE
-        + "\n".join(f"TILE({mb}, {np}, , 0)\nTILE({mb}, {np}, _min, 1)" for mb, np in sorted(tiles))
-        + f"\nstatic const tile_fn TILES[{cap + 1}][{max_panels + 1}] = {{\n{table('')}\n}};\n"
-        + f"static const tile_fn TILES_MIN[{cap + 1}][{max_panels + 1}] = {{\n{table('_min')}\n}};\n"
+        + "\n".join(f"TILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in tiles(fmt))
+        + f"\nstatic const tile_fn TILES[{len(combos)}][{cap + 1}][{max_panels + 1}] = {{\n"
+        + "\n".join(table(fmt, half) for fmt, half in combos)
+        + "\n};\n"
         + _ENTRY
     )
 
@@ -162,11 +244,12 @@ def source(isa: str) -> str:
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     chosen = c_build.for_name(isa)
-    lib = c_build.build(f"qlinear-{isa}", source(isa), [*chosen.flags, "-fopenmp"], "the int8 linear layers")
+    lib = c_build.build(f"qlinear-{isa}", source(isa), [*chosen.flags, "-fopenmp"], "the quantised linear layers")
     if lib is None:
         return None
     ptr, c_long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.zserve_qlinear.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_long, c_int]
+    lib.zserve_qlinear.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, c_int, c_int, ptr, ptr, c_long,
+                                   c_int]  # fmt: skip
     lib.zserve_qlinear.restype = c_int
     return lib
 
@@ -192,49 +275,116 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
-    """(q [N, K] int8, s [N, ceil(K/32)], and a minimum per block m like s, or None) -> the fp32 weight
-    [N, K] they stand for: q * s (+ m)."""
+    """(q [N, K] integer values, s [N, ceil(K/32)], and a minimum per block m like s, or None) -> the fp32
+    weight [N, K] they stand for: q * s (+ m)."""
     w = q.float() * s.float().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
     return w if m is None else w + m.float().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]
 
 
-def pack(q: torch.Tensor, s: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] int8, s [N, K/32]) -> the kernel's panels for ``isa``: q [N/W, K, W], s [N/W, K/32, W] fp32."""
-    width = c_build.ISAS[isa or default_isa()].width
+def _exact_half(t: torch.Tensor) -> bool:
+    h = t.half()
+    return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight in the kernel's panels for ``isa``: ``q`` (int8 [N/W, K, W], or uint8 [N/W, K/2, W] for
+    ``u4m``), ``s`` and ``m`` [N/W, K/32, W] fp16 or fp32 (``m`` None for ``i8``)."""
+
+    fmt: str
+    q: torch.Tensor
+    s: torch.Tensor
+    m: torch.Tensor | None
+    isa: str
+
+    @property
+    def width(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K] of the weight."""
+        panels, k, width = self.q.shape
+        return panels * width, k * 2 if self.fmt == "u4m" else k
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.m) if t is not None)
+
+    def values(self) -> torch.Tensor:
+        """q [N, K] as the integers it holds (int16: 0..15 for ``u4m``, -128..127 else)."""
+        panels, k, width = self.q.shape
+        q = self.q
+        if self.fmt == "u4m":
+            q = torch.stack([q & 15, q >> 4], dim=2).reshape(panels, 2 * k, width)
+        return q.to(torch.int16).transpose(1, 2).reshape(panels * width, -1)
+
+    def blocks(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Scales or minimums back as [N, K/32] fp32."""
+        if t is None:
+            return None
+        panels, blocks, width = t.shape
+        return t.float().transpose(1, 2).reshape(panels * width, blocks)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [N, K] this stands for."""
+        return dequantize(self.values(), self.blocks(self.s), self.blocks(self.m))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantised weight, [len(ids), K] fp32 (an embedding's lookup)."""
+        width = self.width
+        panel, lane = ids // width, ids % width
+        q = self.q[panel, :, lane]  # [T, K] (or K/2 bytes)
+        if self.fmt == "u4m":
+            q = torch.stack([q & 15, q >> 4], dim=2).reshape(len(ids), -1)
+        w = q.float() * self.s[panel, :, lane].float().repeat_interleave(BLOCK, dim=1)
+        return w if self.m is None else w + self.m[panel, :, lane].float().repeat_interleave(BLOCK, dim=1)
+
+
+def pack(
+    q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: str | None = None, bits: int = 8
+) -> Packed:
+    """(q [N, K] integers, s and m [N, K/32] or m None) -> the kernel's panels for ``isa``: ``u4m`` where
+    ``bits`` is 4 (q 0..15; m zeros where None), else ``i8`` / ``i8m``. Scales and minimums kept fp16 where
+    that holds them exactly."""
+    isa = isa or default_isa()
+    width = c_build.ISAS[isa].width
     n, k = q.shape
-    qp = q.reshape(n // width, width, k).transpose(1, 2).contiguous()
-    return qp, pack_blocks(s, isa)
+    qp = q.reshape(n // width, width, k).transpose(1, 2)
+    if bits == 4:
+        if m is None:
+            m = torch.zeros_like(s, dtype=torch.float32)
+        qp = qp.to(torch.uint8)
+        qp, fmt = (qp[:, 0::2] | (qp[:, 1::2] << 4)).contiguous(), "u4m"
+    else:
+        qp, fmt = qp.to(torch.int8).contiguous(), "i8" if m is None else "i8m"
+    half = _exact_half(s) and (m is None or _exact_half(m))
+    return Packed(fmt, qp, pack_blocks(s, isa, half), None if m is None else pack_blocks(m, isa, half), isa)
 
 
-def pack_blocks(s: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """Scales or minimums [N, K/32] -> the kernel's panels [N/W, K/32, W] fp32."""
+def pack_blocks(s: torch.Tensor, isa: str | None = None, half: bool = False) -> torch.Tensor:
+    """Scales or minimums [N, K/32] -> the kernel's panels [N/W, K/32, W], fp16 where ``half``, else fp32."""
     width = c_build.ISAS[isa or default_isa()].width
     n, blocks = s.shape
-    return s.float().reshape(n // width, width, blocks).transpose(1, 2).contiguous()
+    out = s.float().reshape(n // width, width, blocks).transpose(1, 2)
+    return (out.half() if half else out).contiguous()
 
 
-def linear(
-    x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None,
-    mp: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """``x`` [..., K] fp32 through ``pack``-ed weights for ``isa`` (and a contiguous fp32 ``bias`` [N], or None;
-    ``mp``: the blocks' minimums, ``pack_blocks``-ed, or None)."""
-    isa = isa or default_isa()
-    panels, k, width = qp.shape
-    n = panels * width
+def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., K] fp32 through the ``pack``-ed weight ``w`` (and a contiguous fp32 ``bias`` [N], or None)."""
+    n, k = w.shape
     rows = x.reshape(-1, k)
     if rows.dtype != torch.float32:
         rows = rows.float()
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    m = rows.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        rc = _library(isa).zserve_qlinear(
-            rows.data_ptr(), rows.stride(0), m, qp.data_ptr(), sp.data_ptr(),
-            None if mp is None else mp.data_ptr(), n, k,
+    count = rows.shape[0]
+    y = torch.empty(count, n, dtype=torch.float32)
+    if count:
+        rc = _library(w.isa).zserve_qlinear(
+            rows.data_ptr(), rows.stride(0), count, w.q.data_ptr(), w.s.data_ptr(),
+            None if w.m is None else w.m.data_ptr(), FORMATS.index(w.fmt), int(w.s.dtype == torch.float16), n, k,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
         if rc:
-            raise RuntimeError(f"int8 linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
+            raise RuntimeError(f"quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
     return y.view(*x.shape[:-1], n)

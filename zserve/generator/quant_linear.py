@@ -1,10 +1,12 @@
-"""Linear layers whose weights stay int8 in memory (``native_quant.py``'s kernel): ``quantize(model)`` for
-the engine's ``quantization = "int8"`` (every linear layer but the LM head quantised at load, per output
+"""Linear layers whose weights stay quantised in memory (``native_quant.py``'s kernel): ``quantize(model)``
+for the engine's ``quantization = "int8"`` (every linear layer but the LM head quantised at load, per output
 channel, symmetric; the fp32 weight freed), and ``QuantLinear.from_blocks`` for weights that come quantised
-(GGUF's Q8_0: 32 int8 and one scale a block), which are packed as they are, never dequantised.
+(GGUF's blocks: 8-bit values, or 4-bit ones kept two a byte), which are packed as they are, never
+dequantised; ``QuantEmbedding`` reads an embedding's rows out of such a weight.
 
 A layer the kernel cannot take (outputs not a whole number of vector panels, inputs not of 32-blocks, or no
-C compiler) keeps its int8 weight and runs on torch, dequantised a product at a time: slower, never wrong.
+C compiler) keeps its values one a byte and runs on torch, dequantised a product at a time: slower, never
+wrong.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from zserve.generator import native_quant
 
 log = logging.getLogger("zserve.engine")
 
-# "auto": a GGUF's quantised tensors kept as they are (Q8_0), everything else as loaded; "none": every weight
-# dequantised (fp32/bf16, as before); "int8": a checkpoint's linear layers quantised at load
+# "auto": a GGUF's quantised tensors kept as they are (Q8_0, Q4_0, Q4_1, Q4_K), everything else as loaded;
+# "none": every weight dequantised (fp32/bf16, as before); "int8": a checkpoint's linear layers quantised at load
 QUANTIZATIONS = ("auto", "none", "int8")
 
 
@@ -31,24 +33,35 @@ def check(quantization: str) -> str:
 
 
 class QuantLinear(nn.Module):
-    """``nn.Linear``'s forward (inference only) on w = q * s: q int8 [N, K], one fp32 scale per output and
-    block of 32 inputs. Holds the kernel's panels where it applies, else q and s as given."""
+    """``nn.Linear``'s forward (inference only) on w = q * s (+ m): q integers [N, K] (int8, or 0..15 where
+    ``bits`` is 4), one scale (and minimum) per output and block of 32 inputs. Holds the kernel's panels
+    (``native_quant.Packed``) where it applies, else q, s and m as given."""
 
     def __init__(
-        self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, m: torch.Tensor | None = None
-    ) -> None:
+        self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, m: torch.Tensor | None = None,
+        bits: int = 8,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = q.shape
+        self.bits = bits
         self.isa = native_quant.default_isa()
         self.native = native_quant.applies(self.out_features, self.in_features, self.isa)
+        self.fmt = ""  # the kernel's format (native_quant.FORMATS) where it runs
         if self.native:
-            q, s = native_quant.pack(q, s, self.isa)
-            m = None if m is None else native_quant.pack_blocks(m, self.isa)
+            packed = native_quant.pack(q, s, m, self.isa, bits)
+            self.fmt, q, s, m = packed.fmt, packed.q, packed.s, packed.m
+        else:
+            s, m = s.float(), None if m is None else m.float()
         # buffers, not parameters: in the module's state and moved with it, never trained
         self.register_buffer("q", q.contiguous(), persistent=False)
-        self.register_buffer("s", s.float().contiguous(), persistent=False)
-        self.register_buffer("m", None if m is None else m.float().contiguous(), persistent=False)
+        self.register_buffer("s", s.contiguous(), persistent=False)
+        self.register_buffer("m", None if m is None else m.contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @property
+    def packed(self) -> native_quant.Packed | None:
+        """The kernel's view of this layer's buffers, or None where it runs on torch."""
+        return native_quant.Packed(self.fmt, self.q, self.s, self.m, self.isa) if self.native else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> QuantLinear:
@@ -58,34 +71,53 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_blocks(
-        cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, bias: torch.Tensor | None = None
-    ) -> QuantLinear:
-        """Weights already in blocks (q int8 [N, K], s and m [N, K/32]: GGUF's blocks, see ``gguf_quant``)."""
-        return cls(q, s, bias, m)
+        cls, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+        bits: int = 8,
+    ) -> QuantLinear:  # fmt: skip
+        """Weights already in blocks (q [N, K], s and m [N, K/32]: GGUF's blocks, see ``gguf_quant``)."""
+        return cls(q, s, bias, m, bits)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] this layer computes with."""
-        if not self.native:
-            return native_quant.dequantize(self.q, self.s, self.m)
-        panels, k, width = self.q.shape
-        q = self.q.transpose(1, 2).reshape(panels * width, k)
-        s = self.s.transpose(1, 2).reshape(panels * width, k // native_quant.BLOCK)
-        m = None if self.m is None else self.m.transpose(1, 2).reshape(panels * width, k // native_quant.BLOCK)
-        return native_quant.dequantize(q, s, m)
+        if self.packed is not None:
+            return self.packed.dequantized()
+        return native_quant.dequantize(self.q, self.s, self.m)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantised weight [len(ids), K] fp32: an embedding that shares this weight."""
+        if self.packed is not None:
+            return self.packed.rows(ids)
+        return native_quant.dequantize(self.q[ids], self.s[ids], None if self.m is None else self.m[ids])
 
     def weight_bytes(self) -> int:
-        """What its weights take in memory: int8 values, fp32 scales (and minimums)."""
+        """What its weights take in memory: the values, the scales (and minimums)."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.s, self.m) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return native_quant.linear(x, self.q, self.s, self.bias, self.isa, self.m).to(x.dtype)
+            return native_quant.linear(x, self.packed, self.bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         route = f"native:{self.isa}" if self.native else "torch"
-        return f"{self.in_features} -> {self.out_features}, int8, bias={self.bias is not None}, {route}"
+        form = self.fmt or f"int{self.bits}"
+        return f"{self.in_features} -> {self.out_features}, {form}, bias={self.bias is not None}, {route}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding whose table is a ``QuantLinear``'s weight (GGUF's token_embd as the file stores it; the
+    same object as the LM head where the two are tied): a lookup dequantises the rows it reads."""
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        # what the model reads its device and dtype from (an nn.Embedding's weight); holds nothing
+        self.register_buffer("weight", torch.empty(0, dtype=torch.float32, device=table.q.device), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
 
 def quantize(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
@@ -102,6 +134,7 @@ def quantize(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes its ``QuantLinear`` weights take, bytes they would take in fp32)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    """(bytes its ``QuantLinear`` weights take, bytes they would take in fp32); a weight shared by the LM head
+    and the embedding counted once."""
+    layers = list({id(m): m for m in model.modules() if isinstance(m, QuantLinear)}.values())
     return sum(m.weight_bytes() for m in layers), sum(4 * m.in_features * m.out_features for m in layers)
