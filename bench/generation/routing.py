@@ -24,8 +24,10 @@ rate one engine with room for every prefix would reach (each prefix computed onc
     .venv/bin/python -m bench.generation routing                      # SmolLM2-135M, 2 engines x 1 thread
     .venv/bin/python -m bench.generation routing --model tiny --groups 2 --turns 2 --prefix 64   # smoke run
 
-Not here: a peer router (bench/results/35-routing.md says why), and the broker's cost with 64 simulated engines
-(``routing-cost``). Writes bench/results/routing-DATE-TIME.json.
+With ``--sglang-router CMD`` a third leg puts SGLang's router (``sglang-router``, cache_aware policy, its
+approximate radix tree over the request text) in front of ``--engines`` single-engine deployments; it probes
+``/health``, so each sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``). The broker's cost
+with 64 simulated engines is ``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
 """
 
 from __future__ import annotations
@@ -199,34 +201,129 @@ def chat_loop(leg: HttpLeg, conversations: list[tuple[str, list[str]]], output: 
     return timings, max(t.last_s for t in timings) - started, later
 
 
-def counters(client: Any) -> tuple[int, int, dict[str, int]]:
-    """Prompt tokens, cached prompt tokens, and the requests routed to each engine (cache_aware's counters)."""
-    [model] = [m for m in client.health().models if m.name == SERVED_NAME]
-    routed = {r.engine: r.match + r.spill + r.least_loaded for r in model.routing}
-    return model.prompt_tokens, model.cached_prompt_tokens, routed
+def counters(clients: list[Any]) -> tuple[int, int, dict[str, int]]:
+    """Prompt tokens, cached prompt tokens (over every deployment of the leg), and the requests routed to each
+    engine (cache_aware's counters)."""
+    prompt = cached = 0
+    routed: dict[str, int] = {}
+    for client in clients:
+        [model] = [m for m in client.health().models if m.name == SERVED_NAME]
+        prompt, cached = prompt + model.prompt_tokens, cached + model.cached_prompt_tokens
+        routed |= {r.engine: r.match + r.spill + r.least_loaded for r in model.routing}
+    return prompt, cached, routed
+
+
+class HealthAlias:
+    """A byte pump in front of a zserve frontend that answers SGLang's router's probe of ``/health`` with the
+    frontend's ``/healthz`` (the router's worker detection asks ``/health`` whatever its health options say).
+    Bench-only; the peer's requests pass through it unchanged."""
+
+    def __init__(self, target_url: str) -> None:
+        import asyncio
+
+        host_port = target_url.split("//", 1)[1].rstrip("/")
+        self.host, port = host_port.rsplit(":", 1)
+        self.port = int(port)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.url = ""
+
+        async def start() -> None:
+            server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop)
+        ready.wait(10)
+
+    async def _serve(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def pump(src: Any, dst: Any, rewrite: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if rewrite:
+                        data = data.replace(b"GET /health HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\n")
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Namespace) -> tuple[str, list, Any]:
+    """The leg's URL, its zserve deployments and what stops the rest. ``sglang_router``: SGLang's router
+    (cache_aware policy) in front of ``--engines`` single-engine deployments."""
+    import subprocess
+
+    import zserve
+
+    def one(engines: int, how: str) -> Any:
+        return zserve.serve(HANDLER, name=SERVED_NAME, options=options, engines=engines, threads=args.threads,
+                            routing=how, timeout_ms=DEADLINE_MS, workers=1)  # fmt: skip
+
+    if routing != "sglang_router":
+        client = one(args.engines, routing)
+        deadline = time.monotonic() + 120
+        while routing == "cache_aware" and "routing: tokenizer loaded" not in client.output:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the frontend never loaded the tokenizer for routing")
+            time.sleep(0.1)
+        return client.url, [client], lambda: None
+    clients = [one(1, "least_loaded") for _ in range(args.engines)]
+    aliases = [HealthAlias(c.url) for c in clients]
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(Path(tempfile.gettempdir()) / "zserve-bench-sglang-router.log", "w")  # closed by stop()
+    router = subprocess.Popen([args.sglang_router, "launch", "--worker-urls", *[a.url for a in aliases],
+                               "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+                               "--disable-health-check"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def stop() -> None:
+        router.terminate()
+        router.wait(30)
+        log.close()
+        for a in aliases:
+            a.close()
+
+    return f"http://127.0.0.1:{port}", clients, stop
 
 
 def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: list[tuple[str, list[str]]],
             capacity_rps: float | None, args: argparse.Namespace) -> tuple[list[dict], float]:  # fmt: skip
     """The leg's rows, and the capacity (requests/s) its open loops were driven at a share of."""
-    import zserve
+    import openai
 
     chat_tokens = args.chat_system + args.chat_turns * (args.suffix + args.output + 8)
     tokens_per_seq = max(max(len(r.prompt_ids) for rs in loads.values() for r in rs), chat_tokens) + args.output
     # room for every sequence that can be in flight (max_running), plus the prefixes kept between requests
     options = engine_options(path, args.dtype, args.max_running, tokens_per_seq, args.max_batched_tokens)
     options["num_blocks"] += args.groups * (args.prefix // 16 + 1)
-    client = zserve.serve(HANDLER, name=SERVED_NAME, options=options, engines=args.engines, threads=args.threads,
-                          routing=routing, timeout_ms=DEADLINE_MS, workers=1)  # fmt: skip
+    url, clients, stop = deploy(path, routing, options, args)
     rows = []
     try:
-        deadline = time.monotonic() + 120
-        while routing == "cache_aware" and "routing: tokenizer loaded" not in client.output:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the frontend never loaded the tokenizer for routing")
-            time.sleep(0.1)
-        leg = HttpLeg(client.url)
-        leg(GenRequest("warm up", [], 2), None)
+        leg = HttpLeg(url)
+        deadline = time.monotonic() + 180
+        while True:  # the peer's router finds its workers after it starts: ready when it answers
+            try:
+                leg(GenRequest("warm up", [], 2), None)
+                break
+            except (openai.APIStatusError, openai.APIConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
         leg.mismatches.clear()
         if capacity_rps is None:
             callers = [loads["calibrate"][i :: args.concurrency] for i in range(args.concurrency)]
@@ -237,14 +334,14 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: 
         rates = {"shared": args.load * capacity_rps, "none": args.load * capacity_rps,
                  "hot": args.hot_load * capacity_rps / args.engines}  # fmt: skip
         for name in ("shared", "none", "chats", "hot"):
-            before = counters(client)
+            before = counters(clients)
             later: list[float] = []
             if name == "chats":
                 timings, wall_s, later = chat_loop(leg, talks, args.output)
                 outcomes = {"ok": len(timings)}
             else:
                 timings, wall_s, outcomes = open_loop(leg, loads[name], rates[name], args.seed)
-            after = counters(client)
+            after = counters(clients)
             prompt, cached = after[0] - before[0], after[1] - before[1]
             routed = {e: n - before[2].get(e, 0) for e, n in after[2].items()}
             row = summarize(routing, 0, timings, wall_s).to_json()
@@ -259,9 +356,10 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: 
         if leg.mismatches:
             raise RuntimeError(f"{routing}: wrong answers {leg.mismatches[:3]}")
     finally:
-        code = client.terminate()
-    if code:
-        raise RuntimeError(f"{routing}: the deployment exited {code}")
+        stop()
+        codes = [c.terminate() for c in clients]
+    if any(codes):
+        raise RuntimeError(f"{routing}: a deployment exited {codes}")
     return rows, capacity_rps
 
 
@@ -293,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=16, help="sequences per engine (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sglang-router",
+        default="",
+        help="the sglang-router command: a third leg, SGLang's router "
+        "(cache_aware) in front of --engines single-engine deployments (pip install sglang-router)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -306,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.hot} hot; one engine keeping every prefix would hit {ideal:.3f} of shared")  # fmt: skip
         rows, capacity = run_leg(path, "least_loaded", loads, talks, None, args)
         rows += run_leg(path, "cache_aware", loads, talks, capacity, args)[0]
+        if args.sglang_router:
+            rows += run_leg(path, "sglang_router", loads, talks, capacity, args)[0]
     by = {(r["routing"], r["workload"]): r for r in rows}
     print(f"{'ROUTING':>12} {'WORKLOAD':>8} {'REQS':>5} {'TTFT_P50_MS':>11} {'TTFT_P99_MS':>11} {'TOK/S':>7} "
           f"{'HIT_RATE':>8} {'SKEW':>5}  OUTCOMES")  # fmt: skip
@@ -326,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
         "none_tok_s": ratio("none", "tok_s"),
         "hot_busiest_vs_mean": skew(by["cache_aware", "hot"]),
     }
+    if ("sglang_router", "shared") in by:  # zserve's broker against the peer router: hit rate >= 1x, TTFT <= 1x
+        peer = by["sglang_router", "shared"]
+        ratios["shared_hit_vs_sglang_router"] = by["cache_aware", "shared"]["hit_rate"] / max(peer["hit_rate"], 1e-9)
+        ratios["shared_ttft_p50_vs_sglang_router"] = by["cache_aware", "shared"]["ttft_p50_ms"] / peer["ttft_p50_ms"]
+        print(
+            f"cache_aware / sglang_router (shared): hit rate {ratios['shared_hit_vs_sglang_router']:.2f}x "
+            f"(target >= 1.0), TTFT p50 {ratios['shared_ttft_p50_vs_sglang_router']:.2f}x (target <= 1.0)"
+        )
     hot_ok = by["cache_aware", "hot"]["outcomes"]
     print(f"capacity {capacity:.3f} requests/s; cache_aware / least_loaded: shared TTFT p50 "
           f"{ratios['shared_ttft_p50']:.2f}x (target <= {TTFT_TARGET}), tok/s {ratios['shared_tok_s']:.2f}x (target >= "
