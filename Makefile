@@ -97,8 +97,8 @@ bench-embeddings: bench-env bench-infinity-env
 # llama.cpp's llama-server, the peer of `python -m bench.generation llama-server` (issue 36): built from the
 # llama-cpp-python sdist into ~/.cache/zserve/llama-cpp/<version>/ (Release, GGML_NATIVE, no network code, -j2;
 # tens of minutes on 2 cores, skipped once built). Never a zserve dependency.
-bench-llama-server: install
-	bench/generation/llama_server_build.sh $(PY)
+bench-llama-server:
+	bench/generation/llama_server_build.sh $$(test -x $(PY) && echo $(PY) || echo $(PYTHON))
 
 clean:
 	rm -rf $(VENV) .venv-newest .venv-floors build *.egg-info .pytest_cache .ruff_cache

@@ -286,7 +286,9 @@ def run_legs(
         finally:
             if client is not None:
                 meta.setdefault("zserve_log", {})[f"{threads}t"] = [
-                    line for line in client.output().splitlines() if "quantiz" in line.lower() or "gguf" in line.lower()
+                    line
+                    for line in client.output.splitlines()
+                    if any(w in line.lower() for w in ("quantis", "quantiz", "gguf"))
                 ][-20:]
                 client.terminate()
 
