@@ -155,5 +155,28 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
     clean = type(model)(config)
     clean.load_state_dict(model.state_dict())  # strict: every tensor, lm_head stays tied to the embeddings
     clean.generation_config = model.generation_config
+    eos = gguf_eos_token_id(source)
+    if eos is not None:
+        use_eos(tokenizer, clean, eos)
     clean.to(getattr(torch, dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)  # also writes chat_template.jinja
+
+
+def gguf_eos_token_id(source: Path) -> int | None:
+    """The end-of-sequence token id the GGUF file's metadata names (``tokenizer.ggml.eos_token_id``), or None."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(source)).fields.get("tokenizer.ggml.eos_token_id")
+    return None if field is None else int(field.contents())
+
+
+def use_eos(tokenizer, model, eos_id: int) -> None:
+    """Make ``eos_id`` the end of sequence of ``tokenizer`` and of ``model``'s configs. The file's metadata is
+    what llama.cpp stops on; transformers 5.17 read SmolLM2's as id 1 ('<|im_start|>') instead of 2, and a
+    wrong one makes every answer run to max_tokens."""
+    if tokenizer.eos_token_id != eos_id:
+        log.info("end of sequence from the GGUF metadata: id %d, not %s", eos_id, tokenizer.eos_token_id)
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    model.config.eos_token_id = eos_id
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = eos_id
