@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bench.common import loadgen, report
 from bench.common.catalog import DEFAULT_CONFIG, ModelPlan, deployment_toml, plan_models
 from bench.common.measure import Measurement, add_ratios
@@ -52,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch intra-op threads for every model's engines, the in-process limit and the naive "
         "workers (default: each model's `threads` in the config)",
+    )
+    parser.add_argument(
+        "--peer-backend",
+        default="",
+        help="the embedders' `backend` option for the naive server and the peers only (e.g. torch, the library's "
+        "own, where zserve's default auto may take ONNX Runtime); default: the deployment's, as zserve",
     )
     parser.add_argument(
         "--naive-threads",
@@ -191,10 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="zserve-bench-") as tmp:
         config_path = Path(tmp) / "supervisor.toml"
         config_path.write_text(deployment_toml(config, free_port()))
+        peer_config_path = config_path
+        if args.peer_backend:
+            peer_config_path = Path(tmp) / "peers.toml"
+            peer_config_path.write_text(deployment_toml(peer_backend(config, args.peer_backend), free_port()))
+            meta["peer_backend"] = args.peer_backend
+            print(f"naive server and peers: embedders with backend = {args.peer_backend!r}", flush=True)
         session = scenarios.Session(config, config_path, plans, Path(tmp), args.concurrency, args.duration_s,
                                     args.warmup_s, args.scenarios, args.naive_threads, args.verbose,
                                     args.broker_engines, args.broker_batch, args.broker_clients,
-                                    args.broker_window)  # fmt: skip
+                                    args.broker_window, peer_config_path=peer_config_path)  # fmt: skip
         try:
             scenarios.run_all(session)
         except (KeyboardInterrupt, Stopped) as exc:
@@ -224,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(results, rtt, checked, notes)
     print(f"\nwrote {args.out}" + (f" and {plot}" if plotted else ""))
     return 130 if interrupted else 1 if failure else 0
+
+
+def peer_backend(config: Config, backend: str) -> Config:
+    """``config`` with ``backend`` in every embedder's options."""
+    models = [msgspec.structs.replace(m, options={**m.options, "backend": backend})
+              if m.handler == scenarios.EMBED_HANDLER else m for m in config.models]  # fmt: skip
+    return msgspec.structs.replace(config, models=models)
 
 
 def print_summary(

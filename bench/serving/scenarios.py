@@ -43,6 +43,7 @@ class Session:
     broker_batch: int = 256  # ... their max_batch_size,
     broker_clients: int = 2  # ... client processes,
     broker_window: int = 512  # ... and requests each keeps in flight
+    peer_config_path: Path | None = None  # what the naive server and the peers load (default: config_path)
     results: list[Measurement] = field(default_factory=list)
     rtt: dict[str, float] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
@@ -190,9 +191,9 @@ def run_naive(s: Session) -> None:
     threads = s.naive_threads
     print(f"starting the naive baseline ({workers} gunicorn workers, {threads} torch thread(s) each) ...", flush=True)
     names = [p.name for p in s.plans]
-    server, base_url = naive_up(
-        s.config_path, names, free_port(), workers, threads, s.work / "naive-ready", echo=s.verbose
-    )
+    config_path = s.peer_config_path or s.config_path
+    ready = s.work / "naive-ready"
+    server, base_url = naive_up(config_path, names, free_port(), workers, threads, ready, echo=s.verbose)
     try:
         for plan in s.plans:
             loadgen.check_endpoint(f"{base_url}/v1/models/{plan.name}/predict", plan.body_bytes)
@@ -214,7 +215,8 @@ def run_peer(s: Session, scenario: str) -> None:
         return
     threads = max(p.threads for p in s.plans)  # every model of a run has the same threads when --threads is given
     print(f"starting {scenario} (one worker process per model, {threads} torch thread(s) each) ...", flush=True)
-    server, base_url = peers.peer_up(scenario, s.config_path, [p.name for p in s.plans], threads, echo=s.verbose)
+    config_path = s.peer_config_path or s.config_path
+    server, base_url = peers.peer_up(scenario, config_path, [p.name for p in s.plans], threads, echo=s.verbose)
     try:
         for plan in s.plans:
             loadgen.check_endpoint(f"{base_url}/v1/models/{plan.name}/predict", plan.body_bytes)
