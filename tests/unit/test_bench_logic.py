@@ -94,3 +94,15 @@ def test_roles_of_zserve_and_peer_processes() -> None:
     assert role_of(["python", "-m", "bench.serving.peer_mosec", "--port", "1"]) == "mosec-main"
     assert role_of(["python", "-m", "bench.serving.peer_streamer", "--port", "1"]) == "web"
     assert role_of(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"]) == "worker"
+
+
+def test_peer_backend_sets_the_embedders_backend_only():
+    from bench.serving.run import peer_backend
+    from zserve.config import load_config
+
+    config = load_config("supervisor.toml")
+    peers = peer_backend(config, "torch")
+    by_name = {m.name: m for m in peers.models}
+    assert by_name["minilm"].options["backend"] == "torch"
+    assert by_name["minilm"].options["max_length"] == config.model("minilm").options["max_length"]
+    assert "backend" not in by_name["echo"].options and "backend" not in config.model("minilm").options
