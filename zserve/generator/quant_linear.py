@@ -46,10 +46,12 @@ class QuantLinear(nn.Module):
         self.bits = bits
         self.isa = native_quant.default_isa()
         self.native = native_quant.applies(self.out_features, self.in_features, self.isa)
+        # the kernel's view of the buffers below (CPU only: a QuantLinear is never moved), or None on torch
+        self.packed: native_quant.Packed | None = None
         self.fmt = ""  # the kernel's format (native_quant.FORMATS) where it runs
         if self.native:
-            packed = native_quant.pack(q, s, m, self.isa, bits)
-            self.fmt, q, s, m = packed.fmt, packed.q, packed.s, packed.m
+            self.packed = native_quant.pack(q, s, m, self.isa, bits)
+            self.fmt, q, s, m = self.packed.fmt, self.packed.q, self.packed.s, self.packed.m
         else:
             s, m = s.float(), None if m is None else m.float()
         # buffers, not parameters: in the module's state and moved with it, never trained
@@ -57,11 +59,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("s", s.contiguous(), persistent=False)
         self.register_buffer("m", None if m is None else m.contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
-
-    @property
-    def packed(self) -> native_quant.Packed | None:
-        """The kernel's view of this layer's buffers, or None where it runs on torch."""
-        return native_quant.Packed(self.fmt, self.q, self.s, self.m, self.isa) if self.native else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> QuantLinear:
