@@ -237,6 +237,8 @@ class BrokerCore:
                 admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             else:
                 admission = submit(model, request.item_id, now, request.cost)
+            if admission is Admission.OVERLOADED and self._make_room(request, item.tenant):
+                admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             if admission is Admission.OVERLOADED:
                 self._count_overloaded(request)
                 self.requests.pop(request.item_id)
@@ -271,6 +273,23 @@ class BrokerCore:
                 return False
         counts[0] += 1
         self.requests.set_tenant(request, tenant)
+        return True
+
+    def _make_room(self, request: Request, tenant: str) -> bool:
+        """The model's queue is full: if ``tenant`` holds less than its share of it, refuse (OVERLOADED, its one
+        answer) the newest queued request of the tenant holding the most past its share, so that this one fits
+        (``Scheduler.make_room``). False: nothing was taken out, and this request is the one refused."""
+        pushed_id = self.scheduler.make_room(request.model, request.item_id, tenant)
+        if pushed_id is None:
+            return False
+        pushed = self.requests.get(pushed_id)
+        if pushed is not None:  # queued requests are always in the table; the check costs nothing
+            self._count_overloaded(pushed)
+            message = (
+                f"model {request.model!r} has its max_queue of requests queued, and tenant {pushed.tenant!r} holds "
+                f"more than its share of them: this, its newest, made room for tenant {tenant!r}; retry later"
+            )
+            self._reply(pushed, Status.OVERLOADED, message)
         return True
 
     def _count_overloaded(self, request: Request) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zserve.batching.fair_share import FairQueue
-from zserve.batching.scheduler import BatchPolicy, Scheduler
+from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import ENGINE, WorkerPool
 
 
@@ -129,3 +129,72 @@ def test_scheduler_requeued_item_goes_first_and_removed_items_leave_the_fair_que
     [batch] = s.pop_batches(0.0)
     assert batch.item_ids == [9, 2, 1]
     assert s.depth("m") == 0 and len(s.fair["m"]) == 0
+
+
+def _full(capacity: int, held: dict[str, int], weights: dict[str, float] | None = None) -> FairQueue:
+    """A fair queue holding ``held[tenant]`` items per tenant, ids in arrival order (one every ms)."""
+    q = FairQueue(weights)
+    item_id = 0
+    for tenant, n in held.items():
+        for _ in range(n):
+            item_id += 1
+            q.add(item_id, item_id / 1000.0, 1, 0, tenant)
+    assert len(q) == capacity
+    return q
+
+
+def test_a_full_queue_makes_room_for_a_tenant_below_its_share_from_the_fattest_tenants_newest() -> None:
+    q = _full(10, {"heavy": 7, "mid": 3})
+    assert q.overflow_victim("light", 10) == 7  # light holds 0 < 10/3: heavy (7 > 10/3) loses its newest
+    assert q.overflow_victim("mid", 10) == 7  # mid holds 3 < 10/2
+    assert q.overflow_victim("heavy", 10) is None  # at or past its share: the arrival is refused
+    assert _full(10, {"a": 5, "b": 5}).overflow_victim("b", 10) is None  # b holds exactly its share
+    assert _full(10, {"a": 5, "b": 5}).overflow_victim("c", 10) in (5, 10)  # a new tenant: both past 10/3
+
+
+def test_a_full_queue_weighs_the_shares() -> None:
+    # gold (weight 3) may hold 3/4 of the queue: with 6 of 10 it is below, and bronze (4 > 10/4) makes room
+    assert _full(10, {"bronze": 4, "gold": 6}, {"gold": 3}).overflow_victim("gold", 10) == 4
+    # bronze with 3 of 10 is past its quarter: refused, whoever holds the rest
+    assert _full(10, {"gold": 7, "bronze": 3}, {"gold": 3}).overflow_victim("bronze", 10) is None
+    # the fattest per unit of weight: x holds 4 (weight 1), y 5 (weight 2); a newcomer takes x's newest
+    assert _full(9, {"x": 4, "y": 5}, {"y": 2}).overflow_victim("new", 9) == 4
+
+
+def test_the_pushed_out_item_is_the_one_its_tenant_would_serve_last() -> None:
+    q = FairQueue(aging_s=1.0)
+    q.add(1, 0.0, priority=5, tenant="heavy")  # the oldest but least urgent: served last within heavy
+    q.add(2, 0.1, tenant="heavy")
+    q.add(3, 0.2, tenant="heavy")
+    assert q.overflow_victim("light", 3) == 1
+    q.remove(1)
+    q.add(4, 0.3, priority=-5, tenant="heavy")  # the newest but most urgent
+    assert q.overflow_victim("light", 3) == 3
+
+
+def test_requeued_items_take_room_but_are_never_pushed_out() -> None:
+    q = FairQueue()
+    q.add_front(1, 1, "heavy")  # its batch was lost: admitted and dispatched once
+    q.add_front(2, 1, "heavy")
+    q.add(3, 0.0, 1, 0, "heavy")
+    q.add(4, 0.0, 1, 0, "other")
+    assert q.overflow_victim("light", 4) == 3  # heavy holds 3 of 4 (> 4/3): its newest queued one, not 1 or 2
+    q.remove(3)
+    q.add_front(5, 1, "heavy")
+    assert q.overflow_victim("light", 4) is None  # heavy holds only requeued items; other is within its share
+    q.add_front(6, 1, "gone")  # a tenant known only by a requeued item
+    assert q.overflow_victim("light", 5) is None
+
+
+def test_scheduler_makes_room_only_at_max_queue_and_a_single_tenant_changes_nothing() -> None:
+    pool = WorkerPool(liveness_s=10.0)
+    s = Scheduler({"m": BatchPolicy(2, 1000.0, 4)}, pool)
+    for i in range(1, 5):
+        assert s.submit("m", i, 0.0) is Admission.ACCEPTED  # no tenant: the FIFO
+    assert s.submit("m", 5, 0.0) is Admission.OVERLOADED
+    assert s.make_room("m", 5) is None and s.fair == {}  # one tenant (""): the arrival is refused, FIFO kept
+    assert s.make_room("m", 6, "t") == 4  # another tenant: "" holds 4 > 4/2, its newest makes room
+    assert s.depth("m") == 3 and 4 not in s.fair["m"]
+    assert s.submit("m", 6, 0.0, tenant="t") is Admission.ACCEPTED
+    s.requeue("m", 9, 0.0, tenant="t")  # past max_queue (a lost batch): one out would make no room
+    assert s.make_room("m", 7, "u") is None and s.depth("m") == 5

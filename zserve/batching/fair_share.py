@@ -10,6 +10,14 @@ Priority (an integer, lower is more urgent, default 0: vLLM's convention) comes 
   cannot bank credit while it sends nothing.
 * **Priority.** Among tenants, the one whose next item is the most urgent goes first; within a tenant, its items go
   most urgent first, oldest first within a priority.
+* **A full queue.** When the model's queue holds ``max_queue`` items and an item arrives from a tenant holding fewer
+  than its weighted share of them (``max_queue * weight / the weights of the tenants holding items, itself
+  included``), ``overflow_victim`` names the item to refuse instead: the one served last in its own tenant's order
+  (its newest, at equal priorities) of the tenant holding the most per unit of weight, if that tenant holds more than
+  its share. Otherwise the arrival is refused. So a tenant that floods fills only its share of the queue, and the
+  others' arrivals still find room (the "longest queue drop" of fair queuing's buffer management, as Linux's fq_codel
+  drops from its fattest flow). Requeued items (their batch was lost) are never chosen: they were admitted and
+  dispatched once.
 * **Aging, so nothing starves.** Each ``aging_s`` an item waits counts as one level more urgent (never more urgent
   than the most urgent item it is compared with, so equally urgent tenants still share fairly). An item of priority
   ``p`` therefore waits at most about ``(p - p_best) * aging_s`` behind a steady stream of more urgent ones, and is
@@ -81,6 +89,37 @@ class FairQueue:
         if t is not None and item_id not in self._front:
             t.queued -= 1
         return True
+
+    def overflow_victim(self, tenant: str, capacity: int) -> int | None:
+        """The queue holds ``capacity`` items and one of ``tenant`` arrives: the queued item to refuse in its place,
+        or None to refuse the arrival (the rule is in the module docstring). Requeued items count in their tenant's
+        holding (they take room) but are not chosen."""
+        live = self._live
+        holding = {name: t.queued for name, t in self._tenants.items() if t.queued > 0}
+        front = {item_id for item_id in self._front if item_id in live}
+        for item_id in front:
+            name = live[item_id][0]
+            holding[name] = holding.get(name, 0) + 1
+
+        def weight(name: str) -> float:
+            t = self._tenants.get(name)
+            return t.weight if t is not None else max(1e-9, float(self.weights.get(name, 1.0)))
+
+        total_weight = sum(weight(name) for name in holding) + (0.0 if tenant in holding else weight(tenant))
+        if holding.get(tenant, 0) >= capacity * weight(tenant) / total_weight:
+            return None  # at or past its share: the arrival is the one refused
+        fattest = sorted(holding, key=lambda name: holding[name] / weight(name), reverse=True)
+        for name in fattest:
+            if name == tenant:
+                continue
+            if holding[name] <= capacity * weight(name) / total_weight:
+                return None  # nobody else holds more than their share (requeued items and rounding)
+            t = self._tenants.get(name)
+            heap = t.heap if t is not None else []  # a tenant with requeued items only may have no heap
+            last = max((e for e in heap if e[2] in live and e[2] not in front), default=None)
+            if last is not None:
+                return last[2]
+        return None
 
     def cost(self, item_id: int) -> int:
         return self._live[item_id][1]

@@ -29,6 +29,12 @@ the FIFO above, at no cost. The first item with a priority or a tenant (or tenan
 the model a ``FairQueue``, and from then on its batches take items in the fair queue's order (priority with aging,
 then weighted fair share on cost); when to send a batch is decided as above. A cost-aware model's batches then fill
 in that order up to the budget, without grouping items by cost.
+
+A full queue and tenants: ``max_queue`` is one bound for the model, but a tenant that floods it does not take the
+others' room. When the queue is full and the arrival's tenant holds less than its weighted share of it,
+``make_room`` takes the newest queued item of the tenant holding the most past its share out of the queue (its
+caller answers it, as it would a refused arrival); the rule is ``FairQueue.overflow_victim``'s. Requests without a
+tenant count as one tenant (``""``, weight 1); a model with one tenant (or none) refuses the arrival, as before.
 """
 
 from __future__ import annotations
@@ -134,6 +140,23 @@ class Scheduler:
             costs[item_id] = cost = max(1, cost)
             self._queued_cost[model] += cost
         return Admission.ACCEPTED
+
+    def make_room(self, model: str, item_id: int, tenant: str = "") -> int | None:
+        """``submit`` found ``model``'s queue full: take out the queued item that ``tenant``'s arrival (``item_id``)
+        may replace, and return its id for the caller to answer; None (nothing taken) if the arrival is the one to
+        refuse. Only at exactly ``max_queue``: past it (items requeued after a lost batch) one out makes no room."""
+        queue = self._queues.get(model)
+        if queue is None or len(queue) != self.policies[model].max_queue:
+            return None
+        fair = self.fair.get(model)
+        if fair is None:
+            if not tenant:  # one tenant, the FIFO's: nobody holds more than their share
+                return None
+            fair = self._make_fair(model, item_id)
+        victim = fair.overflow_victim(tenant, len(queue))
+        if victim is not None:
+            self.remove(model, victim)
+        return victim
 
     def _make_fair(self, model: str, item_id: int) -> FairQueue:
         """A FIFO model's first item with a priority or tenant: what is queued joins the fair queue as it stands."""
