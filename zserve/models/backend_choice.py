@@ -33,8 +33,8 @@ _SENTENCES = (
     "A cross-encoder scores how well a document answers a query; an embedder maps each text to one vector.",
     "the quick brown fox",
 )
-# Compared only: the extremes, an empty text and one the model truncates (past any model's limit), the latter alone
-# so that the others are not padded to its length.
+# Compared only: the extremes, an empty text and a long one (about 1,000 tokens: past most models' limit, so the
+# model truncates it), the latter alone so that the others are not padded to its length.
 _LONG = "Berlin is the capital and largest city of Germany, by both area and population. " * 60
 _PROBES = ((*_SENTENCES, ""), (_LONG,))
 
