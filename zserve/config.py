@@ -225,7 +225,9 @@ class ModelConfig(_Section, kw_only=True):
     (the handler's `cost(item)`: tokens for the text handlers, pixels for images), is closed before it would pass this
     budget, and groups items of similar cost. See [cost-aware batching](models-and-tasks.md#cost-aware-batching)."""
     max_queue: PositiveInt = 1024
-    """Queued items before new requests are answered 503 `overloaded`."""
+    """Queued items before new requests are answered 503 `overloaded`. With tenants, one that holds less than its
+    share of a full queue makes room: the newest request of the tenant holding the most past its share is answered
+    503 instead ([a full queue](http-api.md#priorities-tenants-and-quotas))."""
     timeout_ms: PositiveInt = 30_000
     """Default deadline per request (clients may pass their own): past it the request is answered 504
     `deadline_exceeded`, and not computed if it is still queued."""

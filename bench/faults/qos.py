@@ -11,8 +11,12 @@ keys naming tenants; every caller is a keep-alive HTTP client thread. Phases, on
 - ``quota``: tenant ``capped`` (``requests_per_s`` = ``--quota-rps``) offered 3x its quota: its 200s per second
   against the quota, every 429 with Retry-After; then a client that honours Retry-After; meanwhile tenant ``b``'s p50
   against its latency alone.
+- ``flood``: no deployment, the pure broker core on a fake clock (``bench.faults.qos_flood``): an open loop of one
+  tenant at 10x the other's rate against a full ``max_queue``, with the full-queue rule and without it (the arrival
+  always refused), then both tenants past their share, weights 1:1 and 3:1.
 
     .venv/bin/python -m bench.faults qos --out bench/results/37-qos.json
+    .venv/bin/python -m bench.faults qos --phases flood
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 from bench.common.paths import REPO
 from bench.common.procs import zserve_up
+from bench.faults.qos_flood import flood
 from bench.faults.slow_echo import percentile_ms
 from zserve.transport import free_tcp_port
 
@@ -193,8 +198,23 @@ def environment() -> dict[str, Any]:
             "cpu": cpu, "cpus": os.cpu_count()}  # fmt: skip
 
 
+def flood_phase(seconds: float) -> dict[str, Any]:
+    """Open-loop floods on the broker core (engine 200/s, max_queue 100): what each tenant is served."""
+    return {
+        "before_10x": flood({"a": 1000, "b": 100}, seconds=seconds, make_room=False),
+        "after_10x": flood({"a": 1000, "b": 100}, seconds=seconds),
+        "both_past_share_1_1": flood({"a": 2000, "b": 200}, seconds=seconds),
+        "both_past_share_1_3": flood({"a": 2000, "b": 200}, seconds=seconds, weights={"b": 3}),
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"environment": environment(), "engine_capacity_per_s": args.batch / args.delay_s}
+    if "flood" in args.phases:
+        result["flood"] = flood_phase(args.flood_s)
+        print(json.dumps({"flood": result["flood"]}), flush=True)
+    if not set(args.phases) - {"flood"}:
+        return result
     with tempfile.TemporaryDirectory(prefix="zserve-qos-") as tmp_name:
         tmp = Path(tmp_name)
         keys = tmp / "api_keys"
@@ -246,12 +266,22 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"{q['at_quota']['b']['p50_ms']} with capped at its quota, {q['b_alone']['p50_ms']} alone; "
             f"honouring Retry-After: {q['honouring_retry_after']['statuses']}"
         )
+    if "flood" in r:
+        for key, run in r["flood"].items():
+            tenants = ", ".join(
+                f"{name} {t['offered']} offered, {t.get('ok', 0)} served ({t['share']}), {t.get('overloaded', 0)} "
+                f"refused, {t.get('pushed_out', 0)} pushed out"
+                for name, t in run["tenants"].items()
+            )
+            lines.append(f"flood {key}: {tenants}")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phases", nargs="+", default=["fair", "priority", "quota"], choices=["fair", "priority", "quota"])
+    p.add_argument("--phases", nargs="+", default=["fair", "priority", "quota", "flood"],
+                   choices=["fair", "priority", "quota", "flood"])  # fmt: skip
+    p.add_argument("--flood-s", type=float, default=20.0, help="simulated seconds of each flood (pure core)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--delay-s", type=float, default=0.04, help="per batch: capacity = batch / delay_s")
     p.add_argument("--light-clients", type=int, default=12, help="the light tenant's clients (the heavy: 10x)")

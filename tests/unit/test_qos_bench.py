@@ -17,3 +17,12 @@ def test_a_window_counts_only_its_answers_and_flags_429s_without_retry_after() -
 def test_summary_names_the_shares() -> None:
     fair = {"a": {"share": 0.5}, "b": {"share": 0.5}}
     assert summary({"fair_1_1": fair}) == ["fair share 1:1, 10x clients on the first: shares a 0.5, b 0.5"]
+
+
+def test_summary_names_each_floods_served_refused_and_pushed_out() -> None:
+    run = {"tenants": {"a": {"offered": 10, "ok": 4, "overloaded": 3, "pushed_out": 3, "share": 0.5},
+                       "b": {"offered": 4, "ok": 4, "share": 0.5}}}  # fmt: skip
+    assert summary({"flood": {"after_10x": run}}) == [
+        "flood after_10x: a 10 offered, 4 served (0.5), 3 refused, 3 pushed out, "
+        "b 4 offered, 4 served (0.5), 0 refused, 0 pushed out"
+    ]
