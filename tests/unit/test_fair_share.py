@@ -145,31 +145,37 @@ def _full(capacity: int, held: dict[str, int], weights: dict[str, float] | None 
 
 def test_a_full_queue_makes_room_for_a_tenant_below_its_share_from_the_fattest_tenants_newest() -> None:
     q = _full(10, {"heavy": 7, "mid": 3})
-    assert q.overflow_victim("light", 10) == 7  # light holds 0 < 10/3: heavy (7 > 10/3) loses its newest
-    assert q.overflow_victim("mid", 10) == 7  # mid holds 3 < 10/2
-    assert q.overflow_victim("heavy", 10) is None  # at or past its share: the arrival is refused
-    assert _full(10, {"a": 5, "b": 5}).overflow_victim("b", 10) is None  # b holds exactly its share
-    assert _full(10, {"a": 5, "b": 5}).overflow_victim("c", 10) in (5, 10)  # a new tenant: both past 10/3
+    assert q.push_out("light", 10) == 7  # light holds 0 < 10/3: heavy (7 > 10/3) loses its newest
+    assert 7 not in q and len(q) == 9
+    assert _full(10, {"heavy": 7, "mid": 3}).push_out("mid", 10) == 7  # mid holds 3 < 10/2
+    assert _full(10, {"heavy": 7, "mid": 3}).push_out("heavy", 10) is None  # past its share: the arrival is refused
+    assert _full(10, {"a": 5, "b": 5}).push_out("b", 10) is None  # b holds exactly its share
+    assert _full(10, {"a": 5, "b": 5}).push_out("c", 10) in (5, 10)  # a new tenant: both past 10/3
 
 
 def test_a_full_queue_weighs_the_shares() -> None:
     # gold (weight 3) may hold 3/4 of the queue: with 6 of 10 it is below, and bronze (4 > 10/4) makes room
-    assert _full(10, {"bronze": 4, "gold": 6}, {"gold": 3}).overflow_victim("gold", 10) == 4
+    assert _full(10, {"bronze": 4, "gold": 6}, {"gold": 3}).push_out("gold", 10) == 4
     # bronze with 3 of 10 is past its quarter: refused, whoever holds the rest
-    assert _full(10, {"gold": 7, "bronze": 3}, {"gold": 3}).overflow_victim("bronze", 10) is None
+    assert _full(10, {"gold": 7, "bronze": 3}, {"gold": 3}).push_out("bronze", 10) is None
     # the fattest per unit of weight: x holds 4 (weight 1), y 5 (weight 2); a newcomer takes x's newest
-    assert _full(9, {"x": 4, "y": 5}, {"y": 2}).overflow_victim("new", 9) == 4
+    assert _full(9, {"x": 4, "y": 5}, {"y": 2}).push_out("new", 9) == 4
 
 
-def test_the_pushed_out_item_is_the_one_its_tenant_would_serve_last() -> None:
+def test_the_pushed_out_item_is_the_one_its_tenant_would_serve_last_and_the_rest_keep_their_order() -> None:
     q = FairQueue(aging_s=1.0)
     q.add(1, 0.0, priority=5, tenant="heavy")  # the oldest but least urgent: served last within heavy
     q.add(2, 0.1, tenant="heavy")
     q.add(3, 0.2, tenant="heavy")
-    assert q.overflow_victim("light", 3) == 1
-    q.remove(1)
+    assert q.push_out("light", 3) == 1
     q.add(4, 0.3, priority=-5, tenant="heavy")  # the newest but most urgent
-    assert q.overflow_victim("light", 3) == 3
+    q.remove(3)  # cancelled: its entry, the heap's largest, stays in the heap until it is met
+    q.add(5, 0.4, tenant="light")
+    assert q.push_out("other", 3) == 2  # 3's dead entry is skipped (and dropped)
+    q.add(6, 0.5, priority=9, tenant="heavy")  # added after the first push-out: kept in the order backwards too
+    q.add(7, 0.6, tenant="heavy")
+    assert q.push_out("other", 4) == 6
+    assert [q.pop(0.7) for _ in range(4)] == [4, 5, 7, None]
 
 
 def test_requeued_items_take_room_but_are_never_pushed_out() -> None:
@@ -178,12 +184,12 @@ def test_requeued_items_take_room_but_are_never_pushed_out() -> None:
     q.add_front(2, 1, "heavy")
     q.add(3, 0.0, 1, 0, "heavy")
     q.add(4, 0.0, 1, 0, "other")
-    assert q.overflow_victim("light", 4) == 3  # heavy holds 3 of 4 (> 4/3): its newest queued one, not 1 or 2
+    assert q.push_out("light", 4) == 3  # heavy holds 3 of 4 (> 4/3): its newest queued one, not 1 or 2
     q.remove(3)
     q.add_front(5, 1, "heavy")
-    assert q.overflow_victim("light", 4) is None  # heavy holds only requeued items; other is within its share
+    assert q.push_out("light", 4) is None  # heavy holds only requeued items; other is within its share
     q.add_front(6, 1, "gone")  # a tenant known only by a requeued item
-    assert q.overflow_victim("light", 5) is None
+    assert q.push_out("light", 5) is None
 
 
 def test_scheduler_makes_room_only_at_max_queue_and_a_single_tenant_changes_nothing() -> None:

@@ -12,7 +12,7 @@ Priority (an integer, lower is more urgent, default 0: vLLM's convention) comes 
   most urgent first, oldest first within a priority.
 * **A full queue.** When the model's queue holds ``max_queue`` items and an item arrives from a tenant holding fewer
   than its weighted share of them (``max_queue * weight / the weights of the tenants holding items, itself
-  included``), ``overflow_victim`` names the item to refuse instead: the one served last in its own tenant's order
+  included``), ``push_out`` takes out the item to refuse instead: the one served last in its own tenant's order
   (its newest, at equal priorities) of the tenant holding the most per unit of weight, if that tenant holds more than
   its share. Otherwise the arrival is refused. So a tenant that floods fills only its share of the queue, and the
   others' arrivals still find room (the "longest queue drop" of fair queuing's buffer management, as Linux's fq_codel
@@ -43,6 +43,10 @@ class _Tenant:
     heap: list[tuple[float, int, int, int, float]] = field(default_factory=list)
     start: float = 0.0  # virtual start tag of its next item, while backlogged
     queued: int = 0  # live items in the heap (removed ones stay in it until they reach its top)
+    # (-order key, -sequence, item id): the same items the other way round, its top the item served last, which a
+    # full queue pushes out (``push_out``). Built by the first push-out and kept while the tenant has items queued,
+    # so a queue that never fills pays nothing for it; entries of items gone are dropped when met, or past a bound.
+    last: list[tuple[float, int, int]] | None = None
 
 
 class FairQueue:
@@ -68,13 +72,21 @@ class FairQueue:
     def add(self, item_id: int, arrived_s: float, cost: int = 1, priority: int = 0, tenant: str = "") -> None:
         t = self._tenants.get(tenant)
         if t is None:
-            t = self._tenants[tenant] = _Tenant(max(1e-9, float(self.weights.get(tenant, 1.0))))
+            t = self._tenants[tenant] = _Tenant(self._weight(tenant))
         if not t.queued:  # becomes backlogged: no credit for the time it sent nothing
             t.start = max(t.start, self.virtual)
         t.queued += 1
         key = arrived_s + priority * self.aging_s
-        heapq.heappush(t.heap, (key, next(self._seq), item_id, priority, arrived_s))
+        seq = next(self._seq)
+        heapq.heappush(t.heap, (key, seq, item_id, priority, arrived_s))
         self._live[item_id] = (tenant, max(1, cost))
+        last = t.last
+        if last is not None:  # the queue was full and this tenant was past its share: keep its order backwards too
+            if len(last) > 2 * t.queued + 64:  # mostly items gone since: keep the live ones (amortised O(1))
+                live = self._live
+                last[:] = [e for e in last if e[2] in live]
+                heapq.heapify(last)
+            heapq.heappush(last, (-key, -seq, item_id))
 
     def add_front(self, item_id: int, cost: int = 1, tenant: str = "") -> None:
         """An item whose batch was lost: it goes before everything else (it was admitted and chosen once)."""
@@ -88,37 +100,49 @@ class FairQueue:
         t = self._tenants.get(entry[0])
         if t is not None and item_id not in self._front:
             t.queued -= 1
+            if not t.queued:
+                t.last = None
         return True
 
-    def overflow_victim(self, tenant: str, capacity: int) -> int | None:
-        """The queue holds ``capacity`` items and one of ``tenant`` arrives: the queued item to refuse in its place,
-        or None to refuse the arrival (the rule is in the module docstring). Requeued items count in their tenant's
-        holding (they take room) but are not chosen."""
-        live = self._live
-        holding = {name: t.queued for name, t in self._tenants.items() if t.queued > 0}
-        front = {item_id for item_id in self._front if item_id in live}
-        for item_id in front:
-            name = live[item_id][0]
-            holding[name] = holding.get(name, 0) + 1
+    def _weight(self, tenant: str) -> float:
+        t = self._tenants.get(tenant)
+        return t.weight if t is not None else max(1e-9, float(self.weights.get(tenant, 1.0)))
 
-        def weight(name: str) -> float:
-            t = self._tenants.get(name)
-            return t.weight if t is not None else max(1e-9, float(self.weights.get(name, 1.0)))
-
-        total_weight = sum(weight(name) for name in holding) + (0.0 if tenant in holding else weight(tenant))
-        if holding.get(tenant, 0) >= capacity * weight(tenant) / total_weight:
+    def push_out(self, tenant: str, capacity: int) -> int | None:
+        """The queue holds ``capacity`` items and one of ``tenant`` arrives: take out and return the queued item to
+        refuse in its place, or None (nothing taken) to refuse the arrival; the rule is in the module docstring.
+        Requeued items count in their tenant's holding (they take room) but are never taken."""
+        live, tenants = self._live, self._tenants
+        holding = {name: t.queued for name, t in tenants.items() if t.queued}
+        front: set[int] = set()
+        if self._front:  # rare: items of a lost batch
+            front = {item_id for item_id in self._front if item_id in live}
+            for item_id in front:
+                name = live[item_id][0]
+                holding[name] = holding.get(name, 0) + 1
+        weights = {name: self._weight(name) for name in holding}
+        mine = self._weight(tenant)
+        per_weight = capacity / (sum(weights.values()) + (0.0 if tenant in holding else mine))
+        if holding.get(tenant, 0) >= per_weight * mine:
             return None  # at or past its share: the arrival is the one refused
-        fattest = sorted(holding, key=lambda name: holding[name] / weight(name), reverse=True)
-        for name in fattest:
+        for name in sorted(holding, key=lambda n: holding[n] / weights[n], reverse=True):
             if name == tenant:
                 continue
-            if holding[name] <= capacity * weight(name) / total_weight:
-                return None  # nobody else holds more than their share (requeued items and rounding)
-            t = self._tenants.get(name)
-            heap = t.heap if t is not None else []  # a tenant with requeued items only may have no heap
-            last = max((e for e in heap if e[2] in live and e[2] not in front), default=None)
-            if last is not None:
-                return last[2]
+            if holding[name] <= per_weight * weights[name]:
+                return None  # nobody else holds more than their share (requeued items, rounding)
+            t = tenants.get(name)
+            if t is None:  # known only by requeued items: nothing it holds may go
+                continue
+            last = t.last
+            if last is None:
+                last = t.last = [(-e[0], -e[1], e[2]) for e in t.heap if e[2] in live]
+                heapq.heapify(last)
+            while last:
+                item_id = heapq.heappop(last)[2]
+                if item_id in live and item_id not in front:
+                    self.remove(item_id)
+                    return item_id
+                # an item served or removed since (or a requeued item's old entry): dropped, look again
         return None
 
     def cost(self, item_id: int) -> int:
@@ -177,6 +201,8 @@ class FairQueue:
         item_id = head[2]
         _, cost = self._live.pop(item_id)
         t.queued -= 1
+        if not t.queued:
+            t.last = None
         self.virtual = t.start
         t.start += cost / t.weight
         self.served[name] = self.served.get(name, 0) + cost

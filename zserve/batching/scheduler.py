@@ -33,7 +33,7 @@ in that order up to the budget, without grouping items by cost.
 A full queue and tenants: ``max_queue`` is one bound for the model, but a tenant that floods it does not take the
 others' room. When the queue is full and the arrival's tenant holds less than its weighted share of it,
 ``make_room`` takes the newest queued item of the tenant holding the most past its share out of the queue (its
-caller answers it, as it would a refused arrival); the rule is ``FairQueue.overflow_victim``'s. Requests without a
+caller answers it, as it would a refused arrival); the rule is ``FairQueue.push_out``'s. Requests without a
 tenant count as one tenant (``""``, weight 1); a model with one tenant (or none) refuses the arrival, as before.
 """
 
@@ -153,9 +153,9 @@ class Scheduler:
             if not tenant:  # one tenant, the FIFO's: nobody holds more than their share
                 return None
             fair = self._make_fair(model, item_id)
-        victim = fair.overflow_victim(tenant, len(queue))
+        victim = fair.push_out(tenant, len(queue))
         if victim is not None:
-            self.remove(model, victim)
+            self.remove(model, victim)  # the rest of its bookkeeping (the fair queue has let it go)
         return victim
 
     def _make_fair(self, model: str, item_id: int) -> FairQueue:
