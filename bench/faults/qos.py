@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.common.paths import REPO
 from bench.common.procs import zserve_up
-from bench.faults.qos_flood import flood
+from bench.faults.qos_flood import admission_cost_us, flood
 from bench.faults.slow_echo import percentile_ms
 from zserve.transport import free_tcp_port
 
@@ -205,6 +205,7 @@ def flood_phase(seconds: float) -> dict[str, Any]:
         "after_10x": flood({"a": 1000, "b": 100}, seconds=seconds),
         "both_past_share_1_1": flood({"a": 2000, "b": 200}, seconds=seconds),
         "both_past_share_1_3": flood({"a": 2000, "b": 200}, seconds=seconds, weights={"b": 3}),
+        "admission_cost_us": admission_cost_us(),
     }
 
 
@@ -268,6 +269,9 @@ def summary(r: dict[str, Any]) -> list[str]:
         )
     if "flood" in r:
         for key, run in r["flood"].items():
+            if key == "admission_cost_us":
+                lines.append(f"flood: us per arrival at a full queue {run}")
+                continue
             tenants = ", ".join(
                 f"{name} {t['offered']} offered, {t.get('ok', 0)} served ({t['share']}), {t.get('overloaded', 0)} "
                 f"refused, {t.get('pushed_out', 0)} pushed out"

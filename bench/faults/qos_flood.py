@@ -7,6 +7,7 @@ answer. ``python -m bench.faults qos --phases flood`` runs it (issue 37: the lig
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -114,3 +115,30 @@ def flood(
         "max_queue": max_queue,
         "seconds": seconds,
     }
+
+
+def admission_cost_us(max_queue: int = 1024, n: int = 512, repeats: int = 7) -> dict[str, float]:
+    """Microseconds the broker core spends on one arrival at a full queue (held by tenant a), best of ``repeats``
+    runs of ``n``: a's arrival refused, with the full-queue rule and without it; b's arrival refused without the rule,
+    and pushing one of a's out with it (answering that one and admitting b's)."""
+    config = parse_config(CONFIG.format(batch=2, max_queue=max_queue, tenants='[[tenants]]\nname = "a"\n'
+                                        '[[tenants]]\nname = "b"\n'))  # fmt: skip
+
+    def once(tenant: str, make_room: bool) -> float:
+        core = BrokerCore(config, epoch=1)  # no engine: what arrives stays queued
+        if not make_room:
+            core._make_room = lambda request, tenant: False
+        for i in range(max_queue):
+            core.on_client(b"a", Submits([Submit(i, "m", tenant="a")], [1]), [b"p"], 0.0)
+        core.flush()
+        msgs = [Submits([Submit(max_queue + i, "m", tenant=tenant)], [1]) for i in range(n)]
+        client = tenant.encode()
+        started = time.perf_counter()
+        for msg in msgs:
+            core.on_client(client, msg, [b"p"], 0.0)
+        core.flush()
+        return (time.perf_counter() - started) / n * 1e6
+
+    cases = {"a_refused_rule_off": ("a", False), "a_refused_rule_on": ("a", True), "b_refused_rule_off": ("b", False),
+             "b_pushes_one_out_rule_on": ("b", True)}  # fmt: skip
+    return {key: round(min(once(*case) for _ in range(repeats)), 2) for key, case in cases.items()}
