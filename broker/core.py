@@ -31,7 +31,7 @@ from zserve.batching.workers import InFlightBatch, WorkerPool
 from zserve.broker import hangs, results
 from zserve.broker.batches import batch_message, prepared_batch_message
 from zserve.broker.health import model_health
-from zserve.broker.outbox import ClientOut, ClientSend, WorkSend
+from zserve.broker.outbox import ClientSend, Outbox, WorkSend
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.routes import Routes
 from zserve.broker.stats import ModelStats
@@ -41,7 +41,6 @@ from zserve.protocol import (
     Abort,
     BatchResult,
     Cancel,
-    Chunks,
     HealthQuery,
     HealthReport,
     Heartbeat,
@@ -50,7 +49,6 @@ from zserve.protocol import (
     Leave,
     ModelHealth,
     Msg,
-    Replies,
     Reply,
     Reset,
     Shutdown,
@@ -114,6 +112,7 @@ class BrokerCore:
         self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
         self._hang_timeout = functools.partial(hangs.hang_timeout_s, self)  # (worker, stalled_s) -> s
         self.requests = RequestTable()
+        self.outbox = Outbox(self.requests)
         # generative models routed cache_aware (``routing``): the engine whose prefix cache holds most of the prompt
         routed = [m.name for m in config.models if m.routes_by_cache(m.name in generative)]
         self.routes = Routes(routed, self.pool, self.requests)
@@ -121,47 +120,12 @@ class BrokerCore:
         self.draining_since: float | None = None
         self.handing_over = False  # stopping to be replaced (a pod's SIGTERM): see start_draining
         self._last_heartbeat_s = float("-inf")
-        self._to_clients: dict[bytes, ClientOut] = {}
-        self._client_misc: list[ClientSend] = []
-        self._to_work: list[WorkSend] = []
 
     # ---- output ----
 
     def flush(self) -> tuple[list[ClientSend], list[WorkSend]]:
-        """Everything to send since the last flush: per client at most one Chunks then one Replies (then
-        health reports), and the work messages in the order they arose."""
-        clients: list[ClientSend] = []
-        for identity, out in self._to_clients.items():
-            if out.chunks:
-                clients.append(ClientSend(identity, Chunks(out.chunks)))
-            if out.replies:
-                clients.append(ClientSend(identity, Replies(out.replies, out.counts), out.frames))
-        clients += self._client_misc
-        work = self._to_work
-        self._to_clients, self._client_misc, self._to_work = {}, [], []
-        return clients, work
-
-    def _out(self, identity: bytes) -> ClientOut:
-        out = self._to_clients.get(identity)
-        if out is None:
-            out = self._to_clients[identity] = ClientOut()
-        return out
-
-    def _answer(self, identity: bytes, reply: Reply, frames: list[Any] | tuple[()] = ()) -> None:
-        out = self._out(identity)
-        out.replies.append(reply)
-        out.counts.append(len(frames))
-        out.frames.extend(frames)
-
-    def _reply(
-        self, request: Request, status: Status, message: str = "", frames: list[Any] | tuple[()] = (), **fields: Any
-    ) -> None:
-        """The request's one answer (``fields``: the rest of Reply), and its removal from the table."""
-        self.requests.pop(request.item_id)
-        self._answer(request.client, Reply(request.req_id, status, message, **fields), frames)
-
-    def _to_worker(self, worker_id: bytes, header: Msg, frames: list[Any] | None = None, batch_id: int = 0) -> None:
-        self._to_work.append(WorkSend(worker_id, header, frames or [], batch_id))
+        """Everything to send since the last flush (``Outbox.flush``)."""
+        return self.outbox.flush()
 
     # ---- clients ----
 
@@ -172,9 +136,9 @@ class BrokerCore:
             request = self.requests.find(identity, msg.req_id)
             if request is not None:
                 self._drop(request)
-                self._reply(request, Status.CANCELLED, "cancelled by the client")
+                self.outbox.reply(request, Status.CANCELLED, "cancelled by the client")
         elif isinstance(msg, HealthQuery):
-            self._client_misc.append(ClientSend(identity, self.health(msg.query_id)))
+            self.outbox.to_client(identity, self.health(msg.query_id))
         else:
             log.warning("unexpected %s from client %r", type(msg).__name__, identity)
 
@@ -197,7 +161,7 @@ class BrokerCore:
             log.warning("client %r sent %s", identity, why)
             for item in items:
                 if item.req_id is not None:
-                    self._answer(identity, Reply(item.req_id, Status.BAD_REQUEST, f"malformed message: {why}"))
+                    self.outbox.answer(identity, Reply(item.req_id, Status.BAD_REQUEST, f"malformed message: {why}"))
             return
         # The hot path of every request: locals, no helper calls unless something is wrong.
         timeouts_s = self.timeouts_s
@@ -215,7 +179,7 @@ class BrokerCore:
             model = item.model if type(item) is Submit else None
             if model is None:
                 if item.req_id is not None:
-                    self._answer(identity, Reply(item.req_id, Status.BAD_REQUEST, item.message))
+                    self.outbox.answer(identity, Reply(item.req_id, Status.BAD_REQUEST, item.message))
                 continue
             timeout_s = timeouts_s.get(model)
             if draining or timeout_s is None or not count or (item.stream and model not in generative):
@@ -244,7 +208,7 @@ class BrokerCore:
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
-                self._answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
+                self.outbox.answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
             elif stats[model].drain_s_per_item:
                 self._refuse_if_late(request, stats[model], timeout_s)
 
@@ -269,7 +233,7 @@ class BrokerCore:
                 reply = Reply(
                     request.req_id, Status.RATE_LIMITED, refusal.message, refusal.quota, retry_after_ms=retry_ms
                 )
-                self._answer(request.client, reply)
+                self.outbox.answer(request.client, reply)
                 return False
         counts[0] += 1
         self.requests.set_tenant(request, tenant)
@@ -289,7 +253,7 @@ class BrokerCore:
                 f"model {request.model!r} has its max_queue of requests queued, and tenant {pushed.tenant!r} holds "
                 f"more than its share of them: this, its newest, made room for tenant {tenant!r}; retry later"
             )
-            self._reply(pushed, Status.OVERLOADED, message)
+            self.outbox.reply(pushed, Status.OVERLOADED, message)
         return True
 
     def _count_overloaded(self, request: Request) -> None:
@@ -317,7 +281,7 @@ class BrokerCore:
             f"{stats.item_s * 1000.0:.1f} ms of compute each): past this request's {timeout_s * 1000.0:.0f} ms "
             "deadline; retry later"
         )
-        self._reply(request, Status.OVERLOADED, message)
+        self.outbox.reply(request, Status.OVERLOADED, message)
 
     def _refuse(self, identity: bytes, item: Submit, count: int) -> None:
         if self.draining_since is not None:
@@ -328,7 +292,7 @@ class BrokerCore:
             status, message = Status.BAD_REQUEST, "the request has no payload"
         else:
             status, message = Status.BAD_REQUEST, f"model {item.model!r} is not generative: nothing to stream"
-        self._answer(identity, Reply(item.req_id, status, message))
+        self.outbox.answer(identity, Reply(item.req_id, status, message))
 
     def client_unreachable(self, identity: bytes) -> None:
         """The shell could not send to this client (its socket is gone): stop working for it. Queued requests
@@ -346,7 +310,7 @@ class BrokerCore:
         if request.model in self.generative and request.batch_id:
             batch = self.pool.finish(request.batch_id)  # the engine's slot is free again now
             if batch is not None:
-                self._to_worker(batch.worker_id, Abort([request.batch_id]))
+                self.outbox.to_worker(batch.worker_id, Abort([request.batch_id]))
 
     # ---- workers: registration ----
 
@@ -382,14 +346,14 @@ class BrokerCore:
         if self.routes.routers:
             self.routes.on_hello(identity, msg)
         log.info("worker %s ready: %s %s, %d credits", msg.worker, msg.role, ",".join(msg.models), msg.credits)
-        self._to_worker(identity, Heartbeat("broker"))  # the welcome
+        self.outbox.to_worker(identity, Heartbeat("broker"))  # the welcome
 
     def on_leave(self, identity: bytes, msg: Leave, now: float) -> None:
         """A worker is stopping (SIGTERM): no more work for it; what it hands back goes to the head of its queue
         with no attempt counted (nothing was lost); ``tick`` dismisses it (Shutdown) once it holds nothing."""
         worker = self.pool.workers.get(identity)
         if worker is None:  # unknown (the broker restarted, or it was expired): it holds nothing of ours
-            self._to_worker(identity, Shutdown("leave: this broker holds nothing of yours"))
+            self.outbox.to_worker(identity, Shutdown("leave: this broker holds nothing of yours"))
             return
         self.pool.seen(identity, now)
         handed_back = 0
@@ -442,9 +406,10 @@ class BrokerCore:
                 request.attempts += 1
                 request.batch_id = 0
                 if request.chunks_sent:  # part of its text is out: a second run would repeat it
-                    self._reply(request, Status.ENGINE_LOST, f"{why} while streaming; the text so far is all there is")
+                    message = f"{why} while streaming; the text so far is all there is"
+                    self.outbox.reply(request, Status.ENGINE_LOST, message)
                 elif request.attempts > self.max_redispatch:
-                    self._reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
+                    self.outbox.reply(request, Status.ENGINE_LOST, f"{why}; gave up after {request.attempts} attempts")
                 else:
                     if item_id in alone:
                         request.suspect = True
@@ -467,7 +432,7 @@ class BrokerCore:
             worker_id = msg.sender.encode()
             known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
             if not known and worker_id not in self._hung:
-                self._to_worker(worker_id, Reset("unknown worker"))
+                self.outbox.to_worker(worker_id, Reset("unknown worker"))
         else:
             log.warning("unexpected %s on the out socket", type(msg).__name__)
 
@@ -488,7 +453,7 @@ class BrokerCore:
         for request in self.requests.expired(now):
             self._drop(request)
             waited = "in the queue" if request.batch_id == 0 else "in a worker"
-            self._reply(
+            self.outbox.reply(
                 request, Status.DEADLINE_EXCEEDED, f"deadline of {now - request.arrived_s:.3f}s passed {waited}"
             )
         for worker, batches in self.pool.expire(heard):
@@ -500,12 +465,12 @@ class BrokerCore:
             hangs.hang(self, worker, now)
         for worker in self.pool.left():
             log.info("worker %s left (pid %d)", worker.name, worker.pid)
-            self._to_worker(worker.worker_id, Shutdown("left: you hold nothing"))
+            self.outbox.to_worker(worker.worker_id, Shutdown("left: you hold nothing"))
         if now - self._last_heartbeat_s >= self.interval_s:
             self._last_heartbeat_s = now
             beat = Heartbeat("broker")
             for worker_id in self.pool.workers:
-                self._to_worker(worker_id, beat)
+                self.outbox.to_worker(worker_id, beat)
         self.dispatch(now)
 
     def batch_timeout_s(self, model: str) -> float:
@@ -528,7 +493,7 @@ class BrokerCore:
                 header, frames = prepared_batch_message(d, self.requests)
             else:
                 header, frames = batch_message(d, self.requests, self.generative, now)
-            self._to_worker(d.worker.worker_id, header, frames, d.batch_id)
+            self.outbox.to_worker(d.worker.worker_id, header, frames, d.batch_id)
 
     def next_wakeup_s(self, now: float) -> float:
         """Seconds until ``tick`` has something to do without a new message: a batching window closing, a
@@ -600,6 +565,6 @@ class BrokerCore:
         if self.handing_over:
             return
         for request in self.requests.all():
-            self._reply(request, Status.SHUTTING_DOWN, "the server shut down before this request finished")
+            self.outbox.reply(request, Status.SHUTTING_DOWN, "the server shut down before this request finished")
         for worker_id in self.pool.workers:
-            self._to_worker(worker_id, Shutdown("broker stopping"))
+            self.outbox.to_worker(worker_id, Shutdown("broker stopping"))

@@ -60,7 +60,7 @@ def hang(core: BrokerCore, worker: Worker, now: float) -> None:
     core._kills.append((worker.pid, worker.name))
     # A worker's IO thread outlives a hung predict: told to exit, it is restarted by its own supervisor,
     # on whatever host it runs (the shell's SIGKILL only reaches this host's processes).
-    core._to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
+    core.outbox.to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
     batches = core.pool.remove(worker.worker_id)
     # The oldest batch is the one that hung (a worker computes its batches in order): its items go
     # again one per batch, so that an item that hangs takes none of its batch-mates with it.

@@ -44,12 +44,12 @@ def on_result(core: BrokerCore, msg: BatchResult, frames: list[Any], now: float)
         if request is None or request.batch_id != msg.batch_id:
             continue  # answered already (deadline, cancel)
         if row is None:
-            core._reply(request, Status.INTERNAL, f"worker {msg.worker} returned no result for this item")
+            core.outbox.reply(request, Status.INTERNAL, f"worker {msg.worker} returned no result for this item")
         else:
             status, message, field_name, start, stop = row
             queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
             fields = {"field": field_name, "batch_size": n, "queue_ms": queue_ms, "compute_ms": msg.compute_ms}
-            core._reply(request, status, message, frames[start:stop], **fields)
+            core.outbox.reply(request, status, message, frames[start:stop], **fields)
 
 
 def _answer_batch(core: BrokerCore, batch: InFlightBatch, msg: BatchResult, frames: list[Any], now: float) -> None:
@@ -57,7 +57,7 @@ def _answer_batch(core: BrokerCore, batch: InFlightBatch, msg: BatchResult, fram
     answered = core.stats[batch.model].latencies_s.append
     by_id = core.requests.by_id
     pop = core.requests.pop
-    to_clients = core._to_clients
+    to_clients = core.outbox.clients
     batch_id, size, compute_ms = msg.batch_id, len(batch.item_ids), msg.compute_ms
     offset = 0
     for item_id, status, message, field_name, count in zip(
@@ -71,7 +71,7 @@ def _answer_batch(core: BrokerCore, batch: InFlightBatch, msg: BatchResult, fram
         pop(item_id)
         answered(now - request.arrived_s)
         queue_ms = (request.dispatched_s - request.arrived_s) * 1000.0
-        out = to_clients.get(request.client) or core._out(request.client)
+        out = to_clients.get(request.client) or core.outbox.client(request.client)
         out.replies.append(Reply(request.req_id, status, message, field_name, size, queue_ms, compute_ms))
         out.counts.append(count)
         if count:
@@ -94,7 +94,7 @@ def _on_preprocessed(
         elif request is not None:
             status, message, field_name = row[:3] if row is not None else (Status.INTERNAL, "", "")
             message = message or f"preprocess stage {msg.worker} returned no result for this item"
-            core._reply(request, status, message, field=field_name, batch_size=len(batch.item_ids))
+            core.outbox.reply(request, status, message, field=field_name, batch_size=len(batch.item_ids))
     if ready and msg.prepared_frames:
         core.scheduler.add_prepared(batch.model, ready, frames[len(frames) - msg.prepared_frames :])
 
@@ -126,9 +126,9 @@ def on_step(core: BrokerCore, msg: StepOutput, frames: list[Any], now: float) ->
         if row is None or i >= complete:
             log.error("step output from %s is missing fields for batch %d: it fails", msg.worker, batch_id)
             core.pool.finish(batch_id)
-            core._to_worker(worker_id, Abort([batch_id]))
+            core.outbox.to_worker(worker_id, Abort([batch_id]))
             if request is not None and request.batch_id == batch_id:
-                core._reply(request, Status.INTERNAL, f"engine {msg.worker} sent a malformed step output")
+                core.outbox.reply(request, Status.INTERNAL, f"engine {msg.worker} sent a malformed step output")
             continue
         finished = msg.finished[i]
         if finished:
@@ -139,13 +139,13 @@ def on_step(core: BrokerCore, msg: StepOutput, frames: list[Any], now: float) ->
         if text and request.stream:
             request.chunks_sent += 1
             logprobs = msg.logprobs[i] if i < len(msg.logprobs) else []
-            core._out(request.client).chunks.append(Chunk(request.req_id, text, msg.num_tokens[i], logprobs))
+            core.outbox.chunk(request.client, Chunk(request.req_id, text, msg.num_tokens[i], logprobs))
         if finished:
             status, message, field_name, start, stop = row
             stats = core.stats[request.model]
             stats.latencies_s.append(now - request.arrived_s)
             stats.batch_done(1)
-            core._reply(
+            core.outbox.reply(
                 request,
                 status,
                 message,
