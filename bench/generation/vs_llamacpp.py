@@ -36,8 +36,8 @@ from bench.common.procs import Managed, ProcessError, Stopped, free_port, http_s
 from bench.common.report import git_revision
 from bench.generation import report as gen_report
 from bench.generation import zserve_leg
-from bench.generation.vs_vllm import SERVED, run_server
-from bench.generation.workload import GenRequest, GenRow, build_pool, schedule
+from bench.generation.vs_vllm import SERVED, OpenAIStream
+from bench.generation.workload import GenRequest, GenRow, build_pool, closed_loop, schedule, summarize
 from bench.serving.targets import Target, format_targets
 from zserve.config import usable_cores
 
@@ -160,6 +160,46 @@ def peer_of(rows: list[GenRow], row: GenRow) -> GenRow | None:
     return next((r for r in rows if r.leg.startswith(PEER) and (r.detail["threads"], r.concurrency) == key), None)
 
 
+def family_cpu_s(root: int) -> float:
+    """User + system CPU seconds of a process and its descendants so far."""
+    total = 0.0
+    try:
+        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return total
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def run_leg(label: str, url: str, root: int, threads: int, callers: list[list[GenRequest]]) -> GenRow:
+    """One warm-up request, then the closed loop. Besides the clock, the CPU seconds the server's processes
+    spent on the loop: output tokens per CPU second do not depend on how much of the shared machine the
+    server was given, where tok/s and latencies do."""
+    call = OpenAIStream(url, {})
+    call(callers[0][0], None)
+    call.mismatches.clear()
+    before = family_cpu_s(root)
+    timings, wall_s = closed_loop(call, callers)
+    cpu_s = family_cpu_s(root) - before
+    row = summarize(label, len(callers), timings, wall_s, sampling="greedy", dtype="float32", threads=threads,
+                    cpu_s=cpu_s, tok_per_cpu_s=sum(t.tokens for t in timings) / cpu_s if cpu_s else 0.0)  # fmt: skip
+    if call.mismatches:
+        row.detail["length_mismatches"] = call.mismatches[:10]
+    print(
+        f"  {label:<16} c{row.concurrency:<3} {row.requests:>3} requests {row.output_tokens:>6} tokens in "
+        f"{wall_s:6.1f} s ({cpu_s:6.1f} CPU s): {row.tok_s:6.1f} tok/s {row.detail['tok_per_cpu_s']:6.1f} tok/CPU-s"
+        f"  TTFT p50 {row.ttft_p50_ms:6.0f} p99 {row.ttft_p99_ms:6.0f} ms  TPOT p50 {row.tpot_p50_ms:5.0f} "
+        f"p99 {row.tpot_p99_ms:5.0f} ms",
+        flush=True,
+    )
+    return row
+
+
 def evaluate(rows: list[GenRow]) -> list[Target]:
     """Issue 36's served targets for every (threads, concurrency) both servers ran."""
     out = []
@@ -205,6 +245,8 @@ def format_table(rows: list[GenRow]) -> str:
         "TPOT p50",
         "x llama",
         "TPOT p99",
+        "tok/CPU-s",
+        "x llama",
         "RSS MB",
     )
     cells = []
@@ -212,6 +254,8 @@ def format_table(rows: list[GenRow]) -> str:
         t, peer = r.detail["threads"], peer_of(rows, r)
         tok = f"{r.tok_s / peer.tok_s:.2f}" if peer and peer.tok_s and r is not peer else "-"
         tpot = f"{r.tpot_p50_ms / peer.tpot_p50_ms:.2f}" if peer and peer.tpot_p50_ms and r is not peer else "-"
+        eff, peer_eff = r.detail.get("tok_per_cpu_s", 0.0), peer.detail.get("tok_per_cpu_s", 0.0) if peer else 0.0
+        eff_ratio = f"{eff / peer_eff:.2f}" if peer_eff and r is not peer else "-"
         cells.append(
             (
                 str(t),
@@ -225,6 +269,8 @@ def format_table(rows: list[GenRow]) -> str:
                 f"{r.tpot_p50_ms:.1f}",
                 tpot,
                 f"{r.tpot_p99_ms:.1f}",
+                f"{eff:.1f}",
+                eff_ratio,
                 f"{r.detail.get('rss_mb', 0):.0f}",
             )
         )
@@ -234,7 +280,10 @@ def format_table(rows: list[GenRow]) -> str:
         for x in [head, *cells]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(ms; TTFT: sent to first text; TPOT: (last - first text) / (tokens - 1))"
+    return "\n".join(lines) + (
+        "\n(ms; TTFT: sent to first text; TPOT: (last - first text) / (tokens - 1); tok/CPU-s: output tokens per CPU"
+        " second of the server's processes)"
+    )
 
 
 def run_legs(
@@ -248,7 +297,6 @@ def run_legs(
     import zserve
 
     tokens = args.max_prompt + args.max_output
-    shell = argparse.Namespace(sampled_at=0)  # run_server's only option: greedy legs alone
     options = zserve_leg.engine_options(PACKAGE, "float32", args.max_running, tokens, args.max_batched_tokens)
     options |= {"gguf_file": args.gguf_file, "quantization": args.quantization}
     # llama.cpp tokenises with the GGUF's own vocabulary; a few tokens of slack per slot cover any difference.
@@ -272,8 +320,9 @@ def run_legs(
                     meta.setdefault("llama_argv", {})[f"c{c}-{threads}t"] = argv
                     server = start_llama(argv, port)
                     try:
-                        run_server(f"{PEER}-{threads}t", f"http://127.0.0.1:{port}", shell, {c: scenarios[c]}, rows)
-                        rows[-1].detail |= {"threads": threads, "rss_mb": rss_mb([server.proc.pid])}
+                        url = f"http://127.0.0.1:{port}"
+                        rows.append(run_leg(f"{PEER}-{threads}t", url, server.proc.pid, threads, scenarios[c]))
+                        rows[-1].detail["rss_mb"] = rss_mb([server.proc.pid])
                         if client is not None:
                             zpids = [p.pid for p in psutil.Process(client.process.pid).children(recursive=True)]
                             rows[-1].detail["zserve_idle_cores"] = idle_cores([client.process.pid, *zpids])
@@ -281,8 +330,8 @@ def run_legs(
                         meta.setdefault("llama_tail", {})[f"c{c}-{threads}t"] = server.tail(15)
                         server.close()
                 if client is not None:
-                    run_server(f"zserve-{threads}t", client.url, shell, {c: scenarios[c]}, rows)
-                    rows[-1].detail |= {"threads": threads, "rss_mb": zserve_engine_rss_mb(client)}
+                    rows.append(run_leg(f"zserve-{threads}t", client.url, client.process.pid, threads, scenarios[c]))
+                    rows[-1].detail["rss_mb"] = zserve_engine_rss_mb(client)
         finally:
             if client is not None:
                 meta.setdefault("zserve_log", {})[f"{threads}t"] = [
