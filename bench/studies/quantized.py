@@ -233,8 +233,8 @@ def exactness(args: argparse.Namespace) -> None:
     q = args.quantization
     cosines, same, total = [], 0, 0
     for prompt in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        chat = [{"role": "user", "content": prompt}]
+        ids = list(tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
         generated = _greedy(engines["none"], ids, args.tokens)
         full = ids + generated
         ref, got = (_logits(engines[k], full)[len(ids) - 1 :] for k in ("none", q))
