@@ -28,11 +28,12 @@ from zserve.batching.quotas import TenantQuota
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
-from zserve.broker import hangs, results
+from zserve.broker import hangs
 from zserve.broker.batches import batch_message, prepared_batch_message
 from zserve.broker.health import model_health
 from zserve.broker.outbox import ClientSend, Outbox, WorkSend
 from zserve.broker.requests import Request, RequestTable
+from zserve.broker.results import Results
 from zserve.broker.routes import Routes
 from zserve.broker.stats import ModelStats
 from zserve.config import Config
@@ -105,7 +106,6 @@ class BrokerCore:
         }
         self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota, overloaded]
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
-        self.busy_s: dict[tuple[str, str], float] = {}  # (model, role) -> compute time reported by workers
         self.stats = {m.name: ModelStats() for m in config.models}
         self._batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}  # None: derived
         self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
@@ -113,6 +113,7 @@ class BrokerCore:
         self._hang_timeout = functools.partial(hangs.hang_timeout_s, self)  # (worker, stalled_s) -> s
         self.requests = RequestTable()
         self.outbox = Outbox(self.requests)
+        self.results = Results(self.pool, self.requests, self.scheduler, self.stats, self.outbox)
         # generative models routed cache_aware (``routing``): the engine whose prefix cache holds most of the prompt
         routed = [m.name for m in config.models if m.routes_by_cache(m.name in generative)]
         self.routes = Routes(routed, self.pool, self.requests)
@@ -424,10 +425,10 @@ class BrokerCore:
             self.pool.seen(msg.worker.encode(), now, free_kv_blocks=msg.free_kv_blocks)
             if msg.stored_blocks or msg.evicted_blocks:
                 self.routes.on_step(msg.worker.encode(), msg)
-            results.on_step(self, msg, frames, now)
+            self.results.on_step(msg, frames, now)
         elif isinstance(msg, BatchResult):
             self.pool.seen(msg.worker.encode(), now)
-            results.on_result(self, msg, frames, now)
+            self.results.on_result(msg, frames, now)
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
             known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
@@ -435,10 +436,6 @@ class BrokerCore:
                 self.outbox.to_worker(worker_id, Reset("unknown worker"))
         else:
             log.warning("unexpected %s on the out socket", type(msg).__name__)
-
-    def _add_busy(self, model: str, role: str, ms: float) -> None:
-        key = (model, role)
-        self.busy_s[key] = self.busy_s.get(key, 0.0) + ms / 1000.0
 
     # ---- time ----
 
@@ -511,7 +508,7 @@ class BrokerCore:
 
     def _model_health(self, name: str) -> ModelHealth:
         generative = name in self.generative
-        health = model_health(name, self.pool, self.scheduler, self.stats[name], self.busy_s, generative)
+        health = model_health(name, self.pool, self.scheduler, self.stats[name], self.results.busy_s, generative)
         health.routing = self.routes.report(name)
         return health
 
