@@ -19,7 +19,6 @@ results (``results.py``, which also says how their multi-item messages are lengt
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -28,8 +27,8 @@ from zserve.batching.quotas import TenantQuota
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
-from zserve.broker import hangs
 from zserve.broker.batches import batch_message, prepared_batch_message
+from zserve.broker.hangs import Hangs
 from zserve.broker.health import model_health
 from zserve.broker.outbox import ClientSend, Outbox, WorkSend
 from zserve.broker.requests import Request, RequestTable
@@ -107,13 +106,11 @@ class BrokerCore:
         self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota, overloaded]
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.stats = {m.name: ModelStats() for m in config.models}
-        self._batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}  # None: derived
-        self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
-        self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
-        self._hang_timeout = functools.partial(hangs.hang_timeout_s, self)  # (worker, stalled_s) -> s
         self.requests = RequestTable()
         self.outbox = Outbox(self.requests)
         self.results = Results(self.pool, self.requests, self.scheduler, self.stats, self.outbox)
+        batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}
+        self.hangs = Hangs(batch_timeouts_s, self.timeouts_s, self.pool, self.requests, self.stats, self.outbox)
         # generative models routed cache_aware (``routing``): the engine whose prefix cache holds most of the prompt
         routed = [m.name for m in config.models if m.routes_by_cache(m.name in generative)]
         self.routes = Routes(routed, self.pool, self.requests)
@@ -324,7 +321,7 @@ class BrokerCore:
         if msg.protocol != PROTOCOL_VERSION:
             log.error("worker %s speaks protocol %d, not %d: ignored", msg.worker, msg.protocol, PROTOCOL_VERSION)
             return
-        if identity in self._hung:
+        if self.hangs.is_hung(identity):
             log.warning("worker %s was found hung: its Hello is ignored (it is being replaced)", msg.worker)
             return
         unknown = [m for m in msg.models if m not in self.timeouts_s]
@@ -432,7 +429,7 @@ class BrokerCore:
         elif isinstance(msg, Heartbeat):
             worker_id = msg.sender.encode()
             known = self.pool.seen(worker_id, now, busy=msg.busy, free_kv_blocks=msg.free_kv_blocks)
-            if not known and worker_id not in self._hung:
+            if not known and not self.hangs.is_hung(worker_id):
                 self.outbox.to_worker(worker_id, Reset("unknown worker"))
         else:
             log.warning("unexpected %s on the out socket", type(msg).__name__)
@@ -458,8 +455,9 @@ class BrokerCore:
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
-        for worker in self.pool.hung(heard, self._hang_timeout):
-            hangs.hang(self, worker, now)
+        for worker in self.pool.hung(heard, self.hangs.timeout_s):
+            batches, alone = self.hangs.hang(worker, now)
+            self._fail_batches(batches, f"worker {worker.name} hung", alone)
         for worker in self.pool.left():
             log.info("worker %s left (pid %d)", worker.name, worker.pid)
             self.outbox.to_worker(worker.worker_id, Shutdown("left: you hold nothing"))
@@ -472,15 +470,11 @@ class BrokerCore:
 
     def batch_timeout_s(self, model: str) -> float:
         """How long a worker of ``model`` may hold work without progress before it counts as hung."""
-        configured = self._batch_timeouts_s[model]
-        if configured is not None:
-            return configured
-        return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
+        return self.hangs.batch_timeout_s(model)
 
     def take_kills(self) -> list[tuple[int, str]]:
         """Hung workers to kill: (pid, the name it registered with)."""
-        kills, self._kills = self._kills, []
-        return kills
+        return self.hangs.take_kills()
 
     def dispatch(self, now: float) -> None:
         if self.handing_over:

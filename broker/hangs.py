@@ -1,4 +1,5 @@
-"""Hung workers (a job split out of the broker core; these functions run on its state, as its methods would).
+"""Hung workers, for the broker core (a job split out of it, working through its public collaborators: the
+worker pool, the request table, the per-model stats and the outbox).
 
 A worker that holds work but makes no progress (no result, no engine step) for its model's
 ``batch_timeout_s`` is hung (a ``predict`` that never returns, while its heartbeat thread lives on): it is
@@ -13,13 +14,12 @@ answered ENGINE_LOST after about ``batch_timeout_s`` plus that, and its batch-ma
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from zserve.batching.workers import Worker
+from zserve.batching.workers import InFlightBatch, Worker, WorkerPool
+from zserve.broker.outbox import Outbox
+from zserve.broker.requests import RequestTable
+from zserve.broker.stats import ModelStats
 from zserve.protocol import Replace
-
-if TYPE_CHECKING:
-    from zserve.broker.core import BrokerCore
 
 # A worker computing a suspect (an item of a batch that hung, re-dispatched alone) is hung after this many of
 # its model's slowest batch times without progress, but never sooner than the floor.
@@ -29,40 +29,84 @@ SUSPECT_FLOOR_S = 0.5
 log = logging.getLogger("zserve.broker")
 
 
-def hang_timeout_s(core: BrokerCore, worker: Worker, stalled_s: float) -> float:
-    """A worker's hang timeout: its model's ``batch_timeout_s``, or a shorter one while the batch it is
-    computing holds a suspect (an item of a batch that hung, sent alone): that batch is one item, so
-    ``SUSPECT_BATCHES`` of the slowest batch seen (at least ``SUSPECT_FLOOR_S``, against false alarms on a
-    noisy machine) is ample, and a poison request does not cost a second full ``batch_timeout_s``."""
-    timeout = core.batch_timeout_s(worker.models[0])
-    if stalled_s <= min(timeout, SUSPECT_FLOOR_S):
-        return timeout  # the common case, decided without looking at the batch
-    running = next(iter(worker.in_flight.values()))  # in dispatch order: the oldest is the one computing
-    get = core.requests.by_id.get
-    if any((r := get(i)) is not None and r.suspect for i in running.item_ids):
-        slowest = core.stats[worker.models[0]].slowest_batch_s
-        return min(timeout, max(SUSPECT_FLOOR_S, SUSPECT_BATCHES * slowest))
-    return timeout
+# Ids of workers found hung are remembered (their Hellos ignored) up to this many, the oldest forgotten first.
+MAX_HUNG_REMEMBERED = 1024
 
 
-def hang(core: BrokerCore, worker: Worker, now: float) -> None:
-    model = worker.models[0]
-    stuck_s = now - worker.progress_s
-    log.error(
-        "worker %s (pid %d) is hung: no progress for %.1fs (batch_timeout_s %.1f); re-dispatching its "
-        "%d batches and replacing it", worker.name, worker.pid, stuck_s, core.batch_timeout_s(model),
-        len(worker.in_flight),
-    )  # fmt: skip
-    core.stats[model].workers_hung += 1
-    core._hung[worker.worker_id] = None
-    if len(core._hung) > 1024:
-        del core._hung[next(iter(core._hung))]
-    core._kills.append((worker.pid, worker.name))
-    # A worker's IO thread outlives a hung predict: told to exit, it is restarted by its own supervisor,
-    # on whatever host it runs (the shell's SIGKILL only reaches this host's processes).
-    core.outbox.to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
-    batches = core.pool.remove(worker.worker_id)
-    # The oldest batch is the one that hung (a worker computes its batches in order): its items go
-    # again one per batch, so that an item that hangs takes none of its batch-mates with it.
-    running = min(batches, key=lambda b: b.sent_s, default=None)
-    core._fail_batches(batches, f"worker {worker.name} hung", alone=running.item_ids if running else ())
+class Hangs:
+    """Finds how long a worker may stall (``timeout_s``, for ``WorkerPool.hung``), replaces a hung one
+    (``hang``), remembers it (``is_hung``) and keeps the kills for the shell (``take_kills``)."""
+
+    def __init__(
+        self,
+        batch_timeouts_s: dict[str, float | None],
+        timeouts_s: dict[str, float],
+        pool: WorkerPool,
+        requests: RequestTable,
+        stats: dict[str, ModelStats],
+        outbox: Outbox,
+    ) -> None:
+        self.batch_timeouts_s = batch_timeouts_s  # model -> configured batch_timeout_s; None: derived
+        self.timeouts_s = timeouts_s
+        self.pool = pool
+        self.requests = requests
+        self.stats = stats
+        self.outbox = outbox
+        self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
+        self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
+
+    def batch_timeout_s(self, model: str) -> float:
+        """How long a worker of ``model`` may hold work without progress before it counts as hung."""
+        configured = self.batch_timeouts_s[model]
+        if configured is not None:
+            return configured
+        return max(self.timeouts_s[model], 10.0 * self.stats[model].slowest_batch_s)
+
+    def timeout_s(self, worker: Worker, stalled_s: float) -> float:
+        """A worker's hang timeout: its model's ``batch_timeout_s``, or a shorter one while the batch it is
+        computing holds a suspect (an item of a batch that hung, sent alone): that batch is one item, so
+        ``SUSPECT_BATCHES`` of the slowest batch seen (at least ``SUSPECT_FLOOR_S``, against false alarms on a
+        noisy machine) is ample, and a poison request does not cost a second full ``batch_timeout_s``."""
+        timeout = self.batch_timeout_s(worker.models[0])
+        if stalled_s <= min(timeout, SUSPECT_FLOOR_S):
+            return timeout  # the common case, decided without looking at the batch
+        running = next(iter(worker.in_flight.values()))  # in dispatch order: the oldest is the one computing
+        get = self.requests.by_id.get
+        if any((r := get(i)) is not None and r.suspect for i in running.item_ids):
+            slowest = self.stats[worker.models[0]].slowest_batch_s
+            return min(timeout, max(SUSPECT_FLOOR_S, SUSPECT_BATCHES * slowest))
+        return timeout
+
+    def is_hung(self, worker_id: bytes) -> bool:
+        """Whether this worker was found hung (recently: see ``MAX_HUNG_REMEMBERED``)."""
+        return worker_id in self._hung
+
+    def take_kills(self) -> list[tuple[int, str]]:
+        """Hung workers to kill: (pid, the name it registered with)."""
+        kills, self._kills = self._kills, []
+        return kills
+
+    def hang(self, worker: Worker, now: float) -> tuple[list[InFlightBatch], list[int]]:
+        """Replace a hung worker: it is dropped from the pool, told to exit and queued to be killed. Returns
+        the batches it held, for the core to re-dispatch as for a lost worker, and the items to re-dispatch
+        alone (those of the batch that hung)."""
+        model = worker.models[0]
+        stuck_s = now - worker.progress_s
+        log.error(
+            "worker %s (pid %d) is hung: no progress for %.1fs (batch_timeout_s %.1f); re-dispatching its "
+            "%d batches and replacing it", worker.name, worker.pid, stuck_s, self.batch_timeout_s(model),
+            len(worker.in_flight),
+        )  # fmt: skip
+        self.stats[model].workers_hung += 1
+        self._hung[worker.worker_id] = None
+        if len(self._hung) > MAX_HUNG_REMEMBERED:
+            del self._hung[next(iter(self._hung))]
+        self._kills.append((worker.pid, worker.name))
+        # A worker's IO thread outlives a hung predict: told to exit, it is restarted by its own supervisor,
+        # on whatever host it runs (the shell's SIGKILL only reaches this host's processes).
+        self.outbox.to_worker(worker.worker_id, Replace(f"no progress for {stuck_s:.1f}s"))
+        batches = self.pool.remove(worker.worker_id)
+        # The oldest batch is the one that hung (a worker computes its batches in order): its items go
+        # again one per batch, so that an item that hangs takes none of its batch-mates with it.
+        running = min(batches, key=lambda b: b.sent_s, default=None)
+        return batches, running.item_ids if running else []

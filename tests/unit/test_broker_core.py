@@ -457,7 +457,7 @@ def test_a_worker_without_progress_past_batch_timeout_is_hung_killed_and_ignored
     core = make()
     core.config.models[0].batch_timeout_s = None
     assert core.batch_timeout_s("m") == 5.0  # derived: timeout_ms, until batches are measured
-    core._batch_timeouts_s["m"] = 2.0
+    core.hangs.batch_timeouts_s["m"] = 2.0
     hello(core, b"w1:11", credits=2)
     submit(core, b"a", [1])
     core.tick(0.0)
@@ -523,7 +523,7 @@ def test_a_request_the_queue_would_keep_past_its_deadline_is_refused_at_once():
 
 def test_the_batch_that_hung_goes_again_one_item_per_batch_and_only_the_hanging_item_is_lost():
     core = make()
-    core._batch_timeouts_s["m"] = 1.0
+    core.hangs.batch_timeouts_s["m"] = 1.0
     hello(core, b"w1:11", credits=1)
     submit(core, b"a", [1, 2, 3])
     core.tick(0.0)
@@ -561,7 +561,7 @@ def test_the_batch_that_hung_goes_again_one_item_per_batch_and_only_the_hanging_
 
 def test_a_worker_stalled_on_a_suspect_is_hung_after_a_few_batch_times_not_a_whole_batch_timeout():
     core = make()
-    core._batch_timeouts_s["m"] = 2.0
+    core.hangs.batch_timeouts_s["m"] = 2.0
     hello(core, b"w1:11", credits=1)
     submit(core, b"a", [1, 2])
     core.tick(0.0)
