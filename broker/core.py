@@ -12,9 +12,12 @@ here each sequence is a batch of one, admitted to the least-loaded engine with a
 credits are its ``max_running``). A cancel, a passed deadline or a client that is gone aborts the sequence
 in its engine at once.
 
-Jobs split out of this module: what is sent (``outbox.py``), the Batch messages (``batches.py``), workers'
-results (``results.py``, which also says how their multi-item messages are length-checked), hung workers
-(``hangs.py``), the health report (``health.py``); the batching policy itself is ``zserve.batching``.
+Jobs split out of this module, each an object built from the public collaborators it needs (the worker pool,
+the request table, the scheduler, the per-model stats) rather than from the core: what is sent and every
+request's one answer (``Outbox``, ``outbox.py``), workers' results (``Results``, ``results.py``, which also
+says how their multi-item messages are length-checked), hung workers (``Hangs``, ``hangs.py``); and as
+functions: the Batch messages (``batches.py``), the health report (``health.py``). The batching policy itself
+is ``zserve.batching``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
 from zserve.broker.batches import batch_message, prepared_batch_message
 from zserve.broker.hangs import Hangs
-from zserve.broker.health import model_health
+from zserve.broker.health import model_health, tenant_health
 from zserve.broker.outbox import ClientSend, Outbox, WorkSend
 from zserve.broker.requests import Request, RequestTable
 from zserve.broker.results import Results
@@ -56,7 +59,6 @@ from zserve.protocol import (
     StepOutput,
     Submit,
     Submits,
-    TenantHealth,
 )
 
 log = logging.getLogger("zserve.broker")
@@ -512,20 +514,8 @@ class BrokerCore:
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
             [self._model_health(m.name) for m in self.config.models],
-            self._tenant_health() if self.tenant_counts else [],
+            tenant_health(self.tenant_counts, self.scheduler, self.requests.pending_by_tenant),
         )
-
-    def _tenant_health(self) -> list[TenantHealth]:
-        served: dict[str, dict[str, int]] = {}
-        for model, fair in self.scheduler.fair.items():
-            for tenant, cost in fair.served.items():
-                if tenant:
-                    served.setdefault(tenant, {})[model] = cost
-        pending = self.requests.pending_by_tenant
-        return [
-            TenantHealth(name, admitted, refused, served.get(name, {}), overloaded, pending.get(name, 0))
-            for name, (admitted, refused, overloaded) in sorted(self.tenant_counts.items())
-        ]
 
     def start_draining(self, now: float, handover: bool = False) -> None:
         """Stop. ``handover=False`` (`zserve up` stopping): refuse new requests (SHUTTING_DOWN), finish the

@@ -1,11 +1,11 @@
-"""What the broker reports per model in its HealthReport (for /metrics and `zserve status`). Pure."""
+"""What the broker reports per model and per tenant in its HealthReport (for /metrics and `zserve status`). Pure."""
 
 from __future__ import annotations
 
 from zserve.batching.scheduler import Scheduler
 from zserve.batching.workers import ENGINE, PREPROCESS, WorkerPool
 from zserve.broker.stats import ModelStats
-from zserve.protocol import ModelHealth
+from zserve.protocol import ModelHealth, TenantHealth
 
 
 def model_health(
@@ -52,3 +52,21 @@ def model_health(
         workers_hung=stats.workers_hung,
         versions=sorted({w.versions for w in engines if w.versions}),
     )
+
+
+def tenant_health(
+    tenant_counts: dict[str, list[int]], scheduler: Scheduler, pending_by_tenant: dict[str, int]
+) -> list[TenantHealth]:
+    """Per tenant seen (``tenant_counts``: admitted, refused past a quota, overloaded): those counts, the
+    cost served per model and the requests pending."""
+    if not tenant_counts:
+        return []
+    served: dict[str, dict[str, int]] = {}
+    for model, fair in scheduler.fair.items():
+        for tenant, cost in fair.served.items():
+            if tenant:
+                served.setdefault(tenant, {})[model] = cost
+    return [
+        TenantHealth(name, admitted, refused, served.get(name, {}), overloaded, pending_by_tenant.get(name, 0))
+        for name, (admitted, refused, overloaded) in sorted(tenant_counts.items())
+    ]
