@@ -136,14 +136,22 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     hosts; "" for a tokenizer without that definition (a slow one): its ids never travel. About 90 ms for a
     49k vocabulary, once at load."""
     import hashlib
+    import importlib.metadata
+    import json
 
     import transformers
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return ""
+    # The chat template renders {{ bos_token }} and friends from the Python side's special tokens, which the backend's
+    # definition need not agree with (a GGUF's misread eos is fixed in the engine's copy only), and jinja2 renders it.
+    specials = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
+    added = json.dumps({str(k): str(v) for k, v in getattr(tokenizer, "added_tokens_decoder", {}).items()})
+    versions = [transformers.__version__, *(importlib.metadata.version(d) for d in ("tokenizers", "jinja2"))]
     h = hashlib.blake2b(digest_size=16)
-    for part in (backend.to_str(), str(getattr(tokenizer, "chat_template", None)), transformers.__version__):
+    for part in (backend.to_str(), str(getattr(tokenizer, "chat_template", None)), type(tokenizer).__name__,
+                 specials, added, *versions):  # fmt: skip
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

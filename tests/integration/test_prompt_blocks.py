@@ -76,3 +76,18 @@ def test_a_client_cannot_send_token_ids():
         with pytest.raises(BadRequest) as info:
             parse_generate_request({"prompt": "hi", name: value})
         assert info.value.field == name
+
+
+def test_the_fingerprint_sees_the_special_tokens_a_chat_template_renders(tiny_path):
+    """Two copies of one tokenizer whose eos differs (what transformers 5.17 read from SmolLM2's GGUF, fixed in the
+    engine's converted copy only) render a template's ``{{ eos_token }}`` differently: their fingerprints differ."""
+    from transformers import AutoTokenizer
+
+    from zserve.generation import tokenizer_fingerprint
+
+    one, two = AutoTokenizer.from_pretrained(tiny_path), AutoTokenizer.from_pretrained(tiny_path)
+    assert tokenizer_fingerprint(one) == tokenizer_fingerprint(two) != ""
+    specials = [t for t in two.all_special_tokens if t != two.eos_token]
+    assert specials, two.special_tokens_map
+    two.eos_token = specials[0]
+    assert tokenizer_fingerprint(one) != tokenizer_fingerprint(two)
