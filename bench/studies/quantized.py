@@ -213,7 +213,8 @@ def _logits(engine: Generator, ids: list[int]) -> torch.Tensor:
                     engine.core.abort(out.seq_id)
     finally:
         model.lm_head = recorder.head
-    return torch.cat(recorder.outputs)[: len(ids) - 1]
+    # the step's logits: the sampled row (after the whole prompt) first, then one per prompt position
+    return torch.cat(recorder.outputs)[1 : len(ids)]
 
 
 def _greedy(engine: Generator, ids: list[int], n: int) -> list[int]:
@@ -250,7 +251,8 @@ def exactness(args: argparse.Namespace) -> None:
     cos = torch.tensor(cosines, dtype=torch.float64)
     print(f"{args.gguf_file}; ISA {c_build.isa().name}; {len(PROMPTS)} prompts x {args.tokens} tokens (the fp32 "
           f"model's greedy ones), {q} against the fp32 model of the same dequantised weights")  # fmt: skip
-    print(f"cosine per position: min {cos.min():.6f}, 1st percentile {cos.quantile(0.01):.6f}, median "
+    print(f"cosine per position: min {cos.min():.6f} (1 - min {1 - cos.min():.1e}), 1st percentile "
+          f"{cos.quantile(0.01):.6f}, median "
           f"{cos.median():.7f}; greedy tokens the same at {same}/{total} positions "
           f"({100 * same / total:.2f}%)")  # fmt: skip
     print(f"perplexity on a fixed text ({len(text)} tokens): fp32 {ppl['none']:.4f}, {q} {ppl[q]:.4f} "
