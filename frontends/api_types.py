@@ -331,6 +331,7 @@ class MiiRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     ignore_eos: bool | None = None
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 # OpenAI embeddings.
@@ -386,6 +387,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: Annotated[int, Meta(ge=1)] | None = None  # None: every document
     return_documents: bool = True
     truncate: bool = True  # false: a pair over the model's limit is a 400 naming `documents`
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 class RerankResult(msgspec.Struct, omit_defaults=True):
@@ -412,6 +414,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     text_1: str | Annotated[list[str], Meta(min_length=1)]
     text_2: str | Annotated[list[str], Meta(min_length=1)]
     truncate: bool = True  # false: a pair over the model's limit is a 400 naming `text_2`
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 class ScoreData(msgspec.Struct):

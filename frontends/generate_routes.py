@@ -477,7 +477,8 @@ class MiiResource(_GenerateRoute):
             self.limits.check_inputs(deployment, len(prompts) if isinstance(prompts, list) else 1, "prompts", "prompts")
             self.limits.check_stop(body.get("stop"))
             items = self._requests(model, body)
-            responses = await gather_or_cancel([self._run(deployment, item) for item in items])
+            priority, tenant = priority_and_tenant(req, body.get("priority"))
+            responses = await gather_or_cancel([self._run(deployment, item, priority, tenant) for item in items])
             resp.data = _json.encode(responses)
             resp.content_type = falcon.MEDIA_JSON
 
@@ -491,6 +492,7 @@ class MiiResource(_GenerateRoute):
             raise BadRequest("`prompts` must be a string or a list of strings", field="prompts")
         body.pop("stream", None)
         body.pop("return_full_text", None)
+        body.pop("priority", None)  # the request's place in the queue, not a sampling option
         if body.pop("do_sample", True):
             body.setdefault("temperature", 1.0)
             body.setdefault("top_p", 0.9)

@@ -34,7 +34,14 @@ from zserve.frontends.api_types import (
     decode_body,
 )
 from zserve.frontends.limits import Limits
-from zserve.frontends.resources import RequestError, answer_error, decode_item, openai_error, read_json
+from zserve.frontends.resources import (
+    RequestError,
+    answer_error,
+    decode_item,
+    openai_error,
+    priority_and_tenant,
+    read_json,
+)
 from zserve.model import Model
 from zserve.models.rerank import CrossEncoderRerank
 
@@ -84,7 +91,8 @@ class _PairsResource:
         started = time.perf_counter()
         name, code, answers = "", 200, []
         try:
-            name, request, pairs, field = self.pairs(await read_json(req, self.max_body_bytes))
+            body = await read_json(req, self.max_body_bytes)
+            name, request, pairs, field = self.pairs(body)
             model = self.models.get(name)
             if model is None:
                 raise RequestError(404, "model_not_found", f"no rerank model named {name!r}; see GET /v1/models",
@@ -98,8 +106,12 @@ class _PairsResource:
                     )
                 except BadRequest as exc:
                     raise BadRequest(f"{field} {i}: {exc.message}", field=field) from None
+            # the key's tenant and priority, as on every route: quotas, fair share and max_priority hold here too
+            priority, tenant = priority_and_tenant(req, body.get("priority"))
             try:
-                answers = await gather_or_cancel([self.client.infer(name, item, decoded=True) for item in items])
+                answers = await gather_or_cancel(
+                    [self.client.infer(name, item, decoded=True, priority=priority, tenant=tenant) for item in items]
+                )
             except BadRequest as exc:  # a pair over the model's limit with truncate=false, found on its stage
                 exc.field = field if exc.field == "document" else exc.field
                 raise
