@@ -15,9 +15,9 @@ in its engine at once.
 Jobs split out of this module, each an object built from the public collaborators it needs (the worker pool,
 the request table, the scheduler, the per-model stats) rather than from the core: what is sent and every
 request's one answer (``Outbox``, ``outbox.py``), workers' results (``Results``, ``results.py``, which also
-says how their multi-item messages are length-checked), hung workers (``Hangs``, ``hangs.py``); and as
-functions: the Batch messages (``batches.py``), the health report (``health.py``). The batching policy itself
-is ``zserve.batching``.
+says how their multi-item messages are length-checked), hung workers (``Hangs``, ``hangs.py``), tenants'
+quotas and counts (``Tenants``, ``tenants.py``); and as functions: the Batch messages (``batches.py``), the
+health report (``health.py``). The batching policy itself is ``zserve.batching``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from zserve.batching.quotas import TenantQuota
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
 from zserve.batching.scheduler import Admission, BatchPolicy, Scheduler
 from zserve.batching.workers import InFlightBatch, WorkerPool
@@ -38,6 +37,7 @@ from zserve.broker.requests import Request, RequestTable
 from zserve.broker.results import Results
 from zserve.broker.routes import Routes
 from zserve.broker.stats import ModelStats
+from zserve.broker.tenants import Tenants
 from zserve.config import Config
 from zserve.protocol import (
     PROTOCOL_VERSION,
@@ -99,17 +99,11 @@ class BrokerCore:
             weights={t.name: t.weight for t in config.tenants},
             aging_s=b.priority_aging_ms / 1000.0,
         )
-        # per tenant with a quota; admitted and refused (RATE_LIMITED) counts per tenant
-        self.quotas = {
-            t.name: TenantQuota(t.requests_per_s, t.tokens_per_min, t.max_concurrent)
-            for t in config.tenants
-            if t.requests_per_s or t.tokens_per_min or t.max_concurrent
-        }
-        self.tenant_counts: dict[str, list[int]] = {}  # tenant -> [admitted, refused past a quota, overloaded]
         self.timeouts_s = {m.name: m.timeout_ms / 1000.0 for m in config.models}
         self.stats = {m.name: ModelStats() for m in config.models}
         self.requests = RequestTable()
         self.outbox = Outbox(self.requests)
+        self.tenants = Tenants(config.tenants, self.requests, self.outbox)
         self.results = Results(self.pool, self.requests, self.scheduler, self.stats, self.outbox)
         batch_timeouts_s = {m.name: m.batch_timeout_s for m in config.models}
         self.hangs = Hangs(batch_timeouts_s, self.timeouts_s, self.pool, self.requests, self.stats, self.outbox)
@@ -196,7 +190,8 @@ class BrokerCore:
             if item.block_hashes:  # a routed generative model's prompt blocks (the frontend bounds them too)
                 request.block_hashes = item.block_hashes[:MAX_ROUTE_BLOCKS]
             if item.tenant or item.priority:  # the FIFO hot path pays this one test
-                if not self._admit_tenant(request, item, now):
+                request.priority = item.priority
+                if item.tenant and not self.tenants.admit(request, item.tenant, now):
                     continue
                 admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             else:
@@ -204,40 +199,13 @@ class BrokerCore:
             if admission is Admission.OVERLOADED and self._make_room(request, item.tenant):
                 admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             if admission is Admission.OVERLOADED:
-                self._count_overloaded(request)
+                self.tenants.count_overloaded(request)
                 self.requests.pop(request.item_id)
                 depth = self.scheduler.depth(model)
                 message = f"model {model!r} has {depth} requests queued (max_queue); retry later"
                 self.outbox.answer(identity, Reply(item.req_id, Status.OVERLOADED, message))
             elif stats[model].drain_s_per_item:
                 self._refuse_if_late(request, stats[model], timeout_s)
-
-    def _admit_tenant(self, request: Request, item: Submit, now: float) -> bool:
-        """Record the request's priority and tenant, and check the tenant's quotas: past one, answer RATE_LIMITED
-        naming it (``field``) with when to retry, and return False."""
-        request.priority = item.priority
-        tenant = item.tenant
-        if not tenant:
-            return True
-        counts = self.tenant_counts.get(tenant)
-        if counts is None:
-            counts = self.tenant_counts[tenant] = [0, 0, 0]
-        quota = self.quotas.get(tenant)
-        if quota is not None:
-            pending = self.requests.pending_by_tenant.get(tenant, 0)
-            refusal = quota.admit(tenant, now, request.cost, pending)
-            if refusal is not None:
-                counts[1] += 1
-                self.requests.pop(request.item_id)
-                retry_ms = max(1, round(refusal.retry_after_s * 1000.0))
-                reply = Reply(
-                    request.req_id, Status.RATE_LIMITED, refusal.message, refusal.quota, retry_after_ms=retry_ms
-                )
-                self.outbox.answer(request.client, reply)
-                return False
-        counts[0] += 1
-        self.requests.set_tenant(request, tenant)
-        return True
 
     def _make_room(self, request: Request, tenant: str) -> bool:
         """The model's queue is full: if ``tenant`` holds less than its share of it, refuse (OVERLOADED, its one
@@ -248,17 +216,13 @@ class BrokerCore:
             return False
         pushed = self.requests.get(pushed_id)
         if pushed is not None:  # queued requests are always in the table; the check costs nothing
-            self._count_overloaded(pushed)
+            self.tenants.count_overloaded(pushed)
             message = (
                 f"model {request.model!r} has its max_queue of requests queued, and tenant {pushed.tenant!r} holds "
                 f"more than its share of them: this, its newest, made room for tenant {tenant!r}; retry later"
             )
             self.outbox.reply(pushed, Status.OVERLOADED, message)
         return True
-
-    def _count_overloaded(self, request: Request) -> None:
-        if request.tenant:
-            self.tenant_counts[request.tenant][2] += 1
 
     def _refuse_if_late(self, request: Request, stats: ModelStats, timeout_s: float) -> None:
         """Deadline-aware admission: refuse (OVERLOADED, at once) a request that the queue ahead of it, at
@@ -275,7 +239,7 @@ class BrokerCore:
         if wait_s <= timeout_s:
             return
         self.scheduler.remove(model, request.item_id)
-        self._count_overloaded(request)
+        self.tenants.count_overloaded(request)
         message = (
             f"model {model!r} would answer in about {wait_s * 1000.0:.0f} ms ({ahead} requests ahead, "
             f"{stats.item_s * 1000.0:.1f} ms of compute each): past this request's {timeout_s * 1000.0:.0f} ms "
@@ -514,7 +478,7 @@ class BrokerCore:
             self.epoch,
             self.draining_since is not None and not self.handing_over,  # handing over refuses nothing
             [self._model_health(m.name) for m in self.config.models],
-            tenant_health(self.tenant_counts, self.scheduler, self.requests.pending_by_tenant),
+            tenant_health(self.tenants.counts, self.scheduler, self.requests.pending_by_tenant),
         )
 
     def start_draining(self, now: float, handover: bool = False) -> None:

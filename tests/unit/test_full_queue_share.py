@@ -74,7 +74,7 @@ def test_the_pushed_out_request_gets_one_overloaded_answer_and_dispatched_ones_a
     assert (refused.req_id, refused.status) == (3, Status.OVERLOADED)
     pushed = next(r for r, _ in replies(clients, b"h") if r.req_id == 6)
     assert "made room" in pushed.message and "'light'" in pushed.message
-    assert core.tenant_counts["heavy"] == [7, 0, 3] and core.tenant_counts["light"] == [3, 0, 1]
+    assert core.tenants.counts["heavy"] == [7, 0, 3] and core.tenants.counts["light"] == [3, 0, 1]
     # everything left is served once: the dispatched 1, 2, then the queue (fair share: 3, l1, 4, l2)
     answered: list[tuple[bytes, int]] = []
     now, batch = 0.01, in_flight

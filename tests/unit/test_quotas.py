@@ -87,7 +87,7 @@ def test_broker_answers_rate_limited_past_requests_per_s() -> None:
     assert len(refused) == 3 and {r.status for r in refused} == {Status.RATE_LIMITED}
     assert {r.field for r in refused} == {"requests_per_s"} and all(r.retry_after_ms == 200 for r in refused)
     assert "capped" in refused[0].message
-    assert core.tenant_counts == {"capped": [5, 3, 0], "free": [1, 0, 0]}
+    assert core.tenants.counts == {"capped": [5, 3, 0], "free": [1, 0, 0]}
     err = error_for(Status(refused[0].status), refused[0].message, refused[0].field, refused[0].retry_after_ms)
     assert isinstance(err, RateLimited) and err.http_status == 429 and err.retry_after_s == pytest.approx(0.2)
     send(core, b"c", [50], 0.2, tenant="capped")  # the bucket has refilled one request
