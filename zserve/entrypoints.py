@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 
 from zserve.client import Client, endpoint_from_config
-from zserve.config import Config, ConfigError, ModelConfig, load_config, to_toml
+from zserve.config import Config, ConfigError, ModelConfig, _drop_retired_keys, load_config, to_toml
 from zserve.model import Model, load_handler, predict_inline, setup_inline
 from zserve.transport import free_tcp_port
 
-_FRONTEND_KEYS = {"port", "host", "workers", "max_body_bytes", "server"}
+_FRONTEND_KEYS = {"port", "host", "workers", "max_body_bytes"}
 
 
 class Pipeline:
@@ -130,6 +130,8 @@ def _config_for(target: str | os.PathLike[str] | Model | type[Model], overrides:
         spec = ModelConfig(name=name, handler=handler, options=model.options, **model_keys)
         config = Config(models=[spec])
         config.frontends.port = free_tcp_port()
+    if "server" in overrides:  # retired as [frontends] server is: "gunicorn" warns and is ignored, others refused
+        _drop_retired_keys({"frontends": {"server": overrides.pop("server")}}, "zserve.serve(server=...)")
     frontends = {k: overrides.pop(k) for k in list(overrides) if k in _FRONTEND_KEYS}
     if overrides:
         raise TypeError(f"unknown overrides {sorted(overrides)}")
@@ -146,7 +148,9 @@ def serve(
     """Start the full deployment (``zserve up``) in the background, wait until it is ready, and return a
     connected client whose ``terminate()`` stops it. ``config_or_model`` is a supervisor.toml, or a model
     (handler string, class or instance) served alone. Overrides: ``port``, ``host``, ``workers``,
-    ``max_body_bytes``, ``server`` ([frontends]); with a model also ``name``, ``options`` and any ``[[models]]`` key."""
+    ``max_body_bytes`` ([frontends]); with a model also ``name``, ``options`` and any ``[[models]]`` key.
+    ``server`` is deprecated (gunicorn is the only frontend server): ``server="gunicorn"`` is ignored with a
+    FutureWarning, any other value is a ConfigError."""
     config = _config_for(config_or_model, dict(overrides))
     workdir = Path(tempfile.mkdtemp(prefix="zserve-serve-"))
     path = workdir / "supervisor.toml"
