@@ -9,8 +9,9 @@ rank, and when the KV pool cannot hold the next tokens the running sequence of t
 urgent priority, the latest arrival among equals) is preempted: its blocks are freed and it is recomputed
 later. A sequence that needs a block therefore only ever preempts less urgent ones, or itself when it is the
 least urgent. A waiting sequence more urgent than running ones that does not fit the free blocks takes them
-from those running ones, least urgent first, when together they free enough (else nobody is preempted for
-nothing). With every priority 0 this is first come, first served, as before priorities.
+from those running ones, least urgent first, when together they free enough and it is then admitted in the
+same step (a running slot free and token budget left; else nobody is preempted for nothing). With every
+priority 0 this is first come, first served, as before priorities.
 
 No starvation: ``aging_s`` of waiting counts as one priority level, and a rank never changes, so a sequence
 waits at most about ``(p - p_urgent) * aging_s`` behind a stream of more urgent ones; once the clock has
@@ -173,8 +174,10 @@ class StepScheduler:
         """``head``, the most urgent waiting sequence, is more urgent than the last of ``order`` (the running
         ones by rank). If it does not fit the free blocks, preempt running sequences less urgent than it, least
         urgent first, until it does, counting one block for each running sequence that stays and may open
-        a block this step; but only if those sequences together free enough, so nobody is preempted for
-        nothing. Runs before any running sequence is scheduled, so no victim has a chunk in this step."""
+        a block this step; but only if those sequences together free enough and ``head`` is then admitted in
+        this step (a running slot, and token budget left after the chunks of those that stay: all of its
+        prompt without chunked prefill), so nobody is preempted for nothing. Runs before any running sequence
+        is scheduled, so no victim has a chunk in this step."""
         ready, pending = self.blocks.match(head.kv)
         if pending:
             return  # it waits for a prefix being computed, not for blocks
@@ -202,5 +205,21 @@ class StepScheduler:
                 break
         else:
             return
+        staying = order[: len(order) - victims]
+        if len(staying) >= self.max_running:
+            return
+        left = self._budget_left(staying)
+        if left <= 0 or (not self.chunked_prefill and staying and len(head.tokens) - ready * bs > left):
+            return  # admission would stop before it: it waits, and they keep their blocks
         for _ in range(victims):
             self._preempt(order.pop())
+
+    def _budget_left(self, staying: list[Sequence]) -> int:
+        """The token budget that the running sequences ``staying`` (by rank) leave, spent as ``schedule``
+        spends it on them."""
+        budget = self.max_batched_tokens
+        for seq in staying:
+            if budget <= 0:
+                break
+            budget -= min(len(seq.tokens) - seq.num_computed, budget)
+        return budget
