@@ -39,15 +39,15 @@ class BusyConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.answered = False
         self.received = False  # some bytes of a request came
-        self.counted = False
         self.timer: asyncio.TimerHandle | None = None
+        # Counted as open, so that a stopping worker waits for the answer; not as one the limit is for. Counted
+        # when accepted (as FastHttpProtocol is), uncounted once, in connection_lost.
+        gunicorn_internals.connection_opened(worker)
+        connections.busy += 1
+        self.counted = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        # Counted as open, so that a stopping worker waits for the answer; not as one the limit is for.
-        gunicorn_internals.connection_opened(self.worker)
-        self.connections.busy += 1
-        self.counted = True
         self.timer = self.worker.loop.call_later(gunicorn_internals.keepalive_s(self.worker), self._expire)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -81,6 +81,10 @@ class FastHttpProtocol(asyncio.Protocol):
         self._writing = True
         self.seen = False  # bytes arrived since the last sweep
         self.idle_s = 0.0
+        # Counted here, when accepted, not in connection_made: asyncio builds the protocols of a whole accept burst
+        # before any connection_made runs, and the limit (FastConnections.full) must see each one of them.
+        # Uncounted once: in connection_lost, or at the hand-over (the ASGI protocol counts it again).
+        gunicorn_internals.connection_opened(worker)
 
     def _advance(self, event: Event) -> None:
         self.state = advance(self.state, event)
@@ -91,7 +95,6 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        gunicorn_internals.connection_opened(self.worker)
         self.connections.open.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

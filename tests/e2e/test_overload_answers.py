@@ -9,6 +9,7 @@ import json
 import socket
 import time
 
+import psutil
 import pytest
 from deployment import Deployment, free_port, write_config
 
@@ -108,6 +109,50 @@ def test_connections_past_the_limit_are_answered_503_not_closed(deployment):
             break
         time.sleep(0.1)
     assert status == 200
+
+
+@pytest.fixture(scope="module")
+def asyncio_deployment(tmp_path_factory):
+    """The same deployment on asyncio's own event loop (gunicorn's asgi worker takes uvloop when installed)."""
+    tmp = tmp_path_factory.mktemp("overload-asyncio")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GUNICORN_CMD_ARGS", "--asgi-loop asyncio")
+        d = Deployment(write_config(tmp, CONFIG.format(port=free_port()))).wait_ready()
+    yield d
+    assert d.stop() == 0, d.output
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_burst_of_connections_accepted_at_once_is_held_to_the_limit(request, loop):
+    # asyncio builds the protocols of a whole accept burst before any connection_made runs: the limit must count
+    # each connection as its protocol is built. The worker is stopped (SIGSTOP) while they connect, so that they
+    # all wait in the listen backlog for one accept burst.
+    deployment = request.getfixturevalue("deployment" if loop == "uvloop" else "asyncio_deployment")
+    time.sleep(0.5)  # the previous test's connections are gone from the worker
+    host, port = deployment.url.removeprefix("http://").rsplit(":", 1)
+    server = next(p for p in psutil.Process(deployment.proc.pid).children() if p.cmdline()[1:3] == ["-m", "gunicorn"])
+    (worker,) = server.children()
+    socks = []
+    worker.suspend()
+    try:
+        for _ in range(12 * MAX_CONNECTIONS):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, int(port)))
+            socks.append(s)
+        time.sleep(0.2)  # the handshakes complete in the kernel; the connections wait to be accepted
+        worker.resume()
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(30)
+            s.sendall(PREDICT)
+        statuses = [read_response(s)[0] for s in socks]
+        assert set(statuses) <= {200, 503}, statuses
+        assert 1 <= statuses.count(200) <= MAX_CONNECTIONS, statuses
+    finally:
+        worker.resume()
+        for s in socks:
+            s.close()
 
 
 def test_malformed_http_past_the_limit_is_a_400(deployment):
