@@ -81,6 +81,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self._writing = True
         self.seen = False  # bytes arrived since the last sweep
         self.idle_s = 0.0
+        self.head_s = 0.0  # how long the request head being read has taken so far, from its first byte (sweeps)
         # Counted here, when accepted, not in connection_made: asyncio builds the protocols of a whole accept burst
         # before any connection_made runs, and the limit (FastConnections.full) must see each one of them.
         # Uncounted once: in connection_lost, or at the hand-over (the ASGI protocol counts it again).
@@ -353,10 +354,20 @@ class FastHttpProtocol(asyncio.Protocol):
     def sweep(self, interval_s: float, keepalive_s: float) -> None:
         """Close this connection if it has been idle past ``keepalive_s``. Not sooner when the worker stops:
         a client may be sending on it right now (closing would fail that request); a request that arrives
-        then is answered with ``Connection: close``, as gunicorn's own protocol does."""
+        then is answered with ``Connection: close``, as gunicorn's own protocol does.
+
+        A request head has ``keepalive_s`` from its first byte to arrive whole (nginx's client_header_timeout),
+        else 408: the idle time alone restarts on every byte, so a head dripped a byte at a time would hold the
+        connection for ever."""
         state = self.state
         if self.queue or state in ENDING:
             return
+        if state is READING and self._raw:  # a head begun (its bytes are kept until it is known to be ours)
+            self.head_s += interval_s
+            if self.head_s >= keepalive_s:
+                return self._timed_out(f"the request head was not sent whole within {keepalive_s:g} s")
+        else:
+            self.head_s = 0.0
         if self.seen:
             self.seen = False
             self.idle_s = 0.0
@@ -364,16 +375,15 @@ class FastHttpProtocol(asyncio.Protocol):
             self.idle_s += interval_s
         if self.idle_s >= keepalive_s:
             if state is READING and (self._current is not None or self._raw):
-                return self._timed_out(keepalive_s)
+                return self._timed_out(f"the request was not sent whole within {keepalive_s:g} s")
             self._end()
 
-    def _timed_out(self, keepalive_s: float) -> None:
-        """A request begun and not sent whole within the idle time: answered 408, never closed on in silence."""
+    def _timed_out(self, message: str) -> None:
+        """A request begun and not sent whole in time: answered 408, never closed on in silence."""
         self._current = None
         self._advance(Event.REFUSED)
         request = PendingRequest(self, "", None, keep_alive=False)
         self.queue.append(request)
-        message = f"the request was not sent whole within {keepalive_s:g} s"
         request.deliver(error_response(408, "request_timeout", message, connection=CLOSE))
 
 

@@ -6,6 +6,7 @@ advertise (`Keep-Alive: timeout=N`) is still open."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
@@ -200,6 +201,27 @@ def test_a_request_never_sent_whole_is_answered_408(deployment):
         status, headers, body = read_response(s)  # after the idle time, not a silent close
         assert status == 408 and json.loads(body)["error"]["type"] == "request_timeout"
         assert headers["connection"] == "close" and closed_by_server(s)
+    finally:
+        s.close()
+
+
+def test_a_request_head_dripped_a_byte_at_a_time_is_answered_408(deployment):
+    # Each byte comes well inside the idle time, so only the head's own deadline (the connection's idle time,
+    # keep_alive_s + 1, from its first byte) answers it.
+    s = connect(deployment)
+    try:
+        started = time.monotonic()
+        for byte in PREDICT[:60]:  # the head is longer than what 8 s of dripping sends
+            s.sendall(bytes([byte]))
+            readable, _, _ = select.select([s], [], [], 0.4)
+            if readable or time.monotonic() - started > 8:
+                break
+        assert readable, "no answer to a head dripped for 8 s"
+        status, headers, body = read_response(s)
+        assert status == 408 and json.loads(body)["error"]["type"] == "request_timeout"
+        assert "head" in json.loads(body)["error"]["message"]
+        assert headers["connection"] == "close" and closed_by_server(s)
+        assert KEEP_ALIVE_S + 0.5 <= time.monotonic() - started < KEEP_ALIVE_S + 3  # swept every 0.25 s
     finally:
         s.close()
 
