@@ -196,7 +196,11 @@ class BrokerCore:
                 admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             else:
                 admission = submit(model, request.item_id, now, request.cost)
-            if admission is Admission.OVERLOADED and self._make_room(request, item.tenant):
+            if (
+                admission is Admission.OVERLOADED
+                and not (stats[model].drain_s_per_item and self._lateness(request, stats[model], timeout_s))
+                and self._make_room(request, item.tenant)
+            ):  # room is made only for a request that would then be in time (the queue stays as full)
                 admission = submit(model, request.item_id, now, request.cost, item.priority, item.tenant)
             if admission is Admission.OVERLOADED:
                 self.tenants.count_overloaded(request)
@@ -231,13 +235,10 @@ class BrokerCore:
         than the default (priority < 0) goes before the default-priority queue, so only what is in flight counts
         for it; the estimate does not model tenants' shares or the aging of less urgent requests."""
         model = request.model
-        depth = self.scheduler.depth(model)
-        if 2.0 * depth * stats.drain_s_per_item <= timeout_s or model in self.generative:
-            return  # the usual case, without counting what is in flight (at most credits x a batch)
-        ahead = (0 if request.priority < 0 else depth - 1) + self.pool.in_flight_items(model)  # depth counts this one
-        wait_s = ahead * stats.drain_s_per_item + stats.item_s
-        if wait_s <= timeout_s:
+        late = self._lateness(request, stats, timeout_s)
+        if late is None:
             return
+        wait_s, ahead = late
         self.scheduler.remove(model, request.item_id)
         self.tenants.count_overloaded(request)
         message = (
@@ -246,6 +247,18 @@ class BrokerCore:
             "deadline; retry later"
         )
         self.outbox.reply(request, Status.OVERLOADED, message)
+
+    def _lateness(self, request: Request, stats: ModelStats, timeout_s: float) -> tuple[float, int] | None:
+        """The wait the queue ahead of ``request`` would cost it and how many are ahead, if that is past its
+        deadline; else None. The queue's depth counts ``request`` (queued, or a full queue it is to take a place
+        in: the same depth once room is made)."""
+        model = request.model
+        depth = self.scheduler.depth(model)
+        if 2.0 * depth * stats.drain_s_per_item <= timeout_s or model in self.generative:
+            return None  # the usual case, without counting what is in flight (at most credits x a batch)
+        ahead = (0 if request.priority < 0 else depth - 1) + self.pool.in_flight_items(model)
+        wait_s = ahead * stats.drain_s_per_item + stats.item_s
+        return (wait_s, ahead) if wait_s > timeout_s else None
 
     def _refuse(self, identity: bytes, item: Submit, count: int) -> None:
         if self.draining_since is not None:

@@ -88,3 +88,21 @@ def test_the_pushed_out_request_gets_one_overloaded_answer_and_dispatched_ones_a
         now += 0.01
     assert sorted(answered) == [(b"h", 1), (b"h", 2), (b"h", 3), (b"h", 4), (b"l", 1), (b"l", 2)]
     assert not core.requests
+
+
+def test_no_request_is_pushed_out_for_an_arrival_that_would_be_refused_as_late() -> None:
+    """A light tenant's arrival at a full queue whose wait would pass its deadline is refused, and nothing of the
+    heavy tenant's is pushed out for it (found in review: both were answered OVERLOADED, the queue one short)."""
+    core = BrokerCore(parse_config(CONFIG), epoch=1)
+    hello(core, b"w", credits=1)
+    send(core, b"h", [1, 2, 3, 4], tenant="heavy")  # fills max_queue 4 (no tick: nothing dispatched)
+    core.flush()
+    core.stats["m"].item_s = core.stats["m"].drain_s_per_item = 0.1  # measured: 100 ms an item
+    send(core, b"l", [1], 0.001, tenant="light", timeout_ms=250)  # 3 ahead x 0.1 + 0.1 = 0.4 s > 0.25 s
+    clients, _ = core.flush()
+    assert [(r.req_id, r.status) for r, _ in replies(clients, b"l")] == [(1, Status.OVERLOADED)]
+    assert not replies(clients, b"h") and core.scheduler.depth("m") == 4
+    send(core, b"l", [2], 0.002, tenant="light", timeout_ms=5000)  # in time: room is made for it
+    clients, _ = core.flush()
+    assert [(r.req_id, r.status) for r, _ in replies(clients, b"h")] == [(4, Status.OVERLOADED)]
+    assert not replies(clients, b"l") and core.scheduler.depth("m") == 4
