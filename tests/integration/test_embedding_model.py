@@ -224,6 +224,40 @@ def test_auto_uses_torch_where_onnx_runtime_cannot_run(encoders, tmp_path, caplo
     assert any("backend auto -> torch: ONNX Runtime unavailable" in r.getMessage() for r in caplog.records)
 
 
+def _failing_export(path) -> None:
+    """Overwrite the cached export at ``path`` with a graph ONNX Runtime loads and cannot run: its inputs, and a
+    Reshape to a fixed [3, 5] that no batch of tokens fits."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inputs = list(onnx.load(str(path), load_external_data=False).graph.input)
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [3, 5])
+    graph = helper.make_graph(
+        [helper.make_node("Cast", [inputs[0].name], ["ids"], to=TensorProto.FLOAT),
+         helper.make_node("Reshape", ["ids", "shape"], ["last_hidden_state"])],
+        "broken", inputs, [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, None)], [shape],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_auto_uses_torch_where_onnx_runtime_fails_on_a_probe(encoders, tmp_path, monkeypatch, caplog):
+    # A cached export that loads and fails when run (corrupt, or from an exporter that went wrong): the engine
+    # must still start, with torch, and the log must say why.
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_stack(encoders["bert"], tmp_path / "s", "mean", normalize=True)
+    _served(folder, backend="onnx")  # exports into the cache
+    [export] = (tmp_path / "cache" / "onnx").glob("*/model.onnx")
+    _failing_export(export)
+    with caplog.at_level(logging.INFO, logger="zserve.backend"):
+        model = _served(folder, backend="auto")
+    assert model.forward.onnx is None
+    [line] = [r.getMessage() for r in caplog.records if "backend auto" in r.getMessage()]
+    assert "backend auto -> torch: ONNX Runtime unavailable (failed on a probe: " in line and "Reshape" in line, line
+    np.testing.assert_allclose(np.stack(model.embed(SENTENCES)), _library(folder).encode(SENTENCES), atol=1e-5)
+
+
 def test_the_onnx_backend_refuses_what_it_cannot_run(encoders, tmp_path):
     folder = build_stack(encoders["bert"], tmp_path / "s", "mean")
     with pytest.raises(ModelLoadError, match="float32 on the CPU"):

@@ -141,10 +141,17 @@ class Forward:
                 why_not = "not installed: pip install 'zserve[onnx]'"
             except Exception as exc:  # an encoder the exporter cannot take serves with torch, as it did before
                 why_not = f"{type(exc).__name__}: {exc}"
-        if stack is None:
+        measured = None
+        if stack is not None:
+            try:
+                measured = backend_choice.measure(self.model, self._torch, stack)
+            except Exception as exc:  # ONNX Runtime failing on a probe (a broken cached export, say): torch serves
+                why_not = f"failed on a probe: {type(exc).__name__}: {exc}"
+        if measured is None:
+            stack = None
             choice, reason = backend_choice.choose([], None, why_not)
         else:
-            choice, reason = backend_choice.choose(*backend_choice.measure(self.model, self._torch, stack))
+            choice, reason = backend_choice.choose(*measured)
         backend_choice.log.info("%s: backend auto -> %s: %s", folder or "the model", choice, reason)
         return stack if choice == "onnx" else None
 
