@@ -314,3 +314,16 @@ def test_every_metric_a_page_names_is_exported() -> None:
         if not re.search(rf"\b{re.sub(r'_(total|bucket|count|sum|created)$', '', name)}\b", _code_text())
     )
     assert not unknown, f"metrics the code does not export: {unknown}"
+
+
+def test_the_nginx_keep_alive_numbers_are_the_frontends() -> None:
+    """deploy/nginx.conf's upstream idle timeout stays below the keep-alive the frontends advertise, and what its
+    comments say of gunicorn's --keep-alive is what the supervisor passes: keep_alive_s + 1."""
+    from zserve.config import FrontendsConfig
+
+    text = (ROOT / "deploy" / "nginx.conf").read_text()
+    keep_alive_s = FrontendsConfig().keep_alive_s
+    [timeout] = re.findall(r"^\s*keepalive_timeout (\d+)s;", text, re.M)
+    assert int(timeout) < keep_alive_s
+    claims = [int(n) for n in re.findall(r"--keep-alive\W*(\d+)", text)]
+    assert claims and all(n == keep_alive_s + 1 for n in claims), claims
