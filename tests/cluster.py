@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zserve import Client
 from zserve.config import parse_config
-from zserve.plan import plan
+from zserve.deploy.plan import plan
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 

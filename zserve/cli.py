@@ -30,11 +30,11 @@ def _up(args: argparse.Namespace) -> int:
 
 def _supervise(config: Config, config_path: str, log_level: str | None) -> int:
     """Run ``config``'s deployment in the foreground until it is stopped (``zserve up`` and ``serve``)."""
+    from zserve.deploy.plan import plan
+    from zserve.deploy.supervisor import Supervisor
     from zserve.devices import check_devices
     from zserve.keys import check_broker_keys
     from zserve.logs import setup_logging
-    from zserve.plan import plan
-    from zserve.supervisor import Supervisor
 
     setup_logging("supervisor", log_level)
     try:
@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     import tempfile
 
     from zserve.config import to_toml
-    from zserve.quickstart import parse_option, serve_config
+    from zserve.deploy.quickstart import parse_option, serve_config
 
     try:
         options = dict(parse_option(o) for o in args.option)
@@ -91,7 +91,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _supervisord_conf(args: argparse.Namespace) -> int:
-    from zserve.supervisord import render
+    from zserve.deploy.supervisord import render
 
     config = _load(args.config)
     if config is None:
@@ -115,7 +115,7 @@ def _supervisord_conf(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     import yaml
 
-    from zserve.k8s import RenderOptions, header, plan, render
+    from zserve.deploy.k8s import RenderOptions, header, plan, render
 
     config = _load(args.config)
     if config is None:
@@ -149,8 +149,8 @@ def _k8s(args: argparse.Namespace) -> int:
 
 
 def _child(args: argparse.Namespace) -> int:
+    from zserve.deploy.supervisord import exec_child
     from zserve.logs import setup_logging
-    from zserve.supervisord import exec_child
 
     config = _load(args.config)
     if config is None:
@@ -164,7 +164,7 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from zserve.status import status
+    from zserve.deploy.status import status
 
     config = _load(args.config)
     if config is None:
@@ -189,9 +189,9 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _workers(args: argparse.Namespace) -> int:
+    from zserve.deploy.supervisor import Supervisor
+    from zserve.deploy.worker_host import load_workers_config, worker_host_plan
     from zserve.logs import setup_logging
-    from zserve.supervisor import Supervisor
-    from zserve.worker_host import load_workers_config, worker_host_plan
 
     setup_logging("supervisor", args.log_level)
     try:

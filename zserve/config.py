@@ -1,7 +1,7 @@
 """supervisor.toml, decoded into typed Structs. Unknown keys and bad values are rejected by key name.
 
 Every key is described by the docstring under its field (and each table by its class docstring):
-docs/configuration.md is generated from them (``python -m zserve.config_reference docs/configuration.md``), and a
+docs/configuration.md is generated from them (``python -m tools.config_reference docs/configuration.md``), and a
 test fails when the page is stale.
 """
 

@@ -57,7 +57,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     # structured output: any JSON object, or a JSON value matching this JSON schema (JSON text)
     json_object: bool = False
     json_schema: str | None = None
-    # The prompt's token ids as the frontend made them for routing (``frontends/prompt_blocks.py``), so the
+    # The prompt's token ids as the frontend made them for routing (``zserve/frontends/prompt_blocks.py``), so the
     # engine does not tokenise again. Internal to a deployment: a client's body that carries them is refused
     # (``parse_generate_request``), and the engine takes them only when ``prompt_tokenizer`` is its own
     # tokenizer's fingerprint (same vocabulary, rules and chat template), else it tokenises the text itself.

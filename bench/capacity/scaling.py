@@ -105,7 +105,7 @@ def closed_loop(client: Any, window: int, duration_s: float) -> tuple[int, float
 def measure(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     from zserve import Client
     from zserve.config import parse_config
-    from zserve.plan import plan
+    from zserve.deploy.plan import plan
 
     run_dir = tempfile.mkdtemp(prefix="zs-scale-")
     config = parse_config(deployment_toml(run_dir, engines, args))

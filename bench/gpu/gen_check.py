@@ -46,12 +46,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _import_zserve() -> None:
-    """zserve's stages/, broker/, frontends/ are its subpackages by pyproject's package-dir mapping: without an
-    install, map them by path."""
-    import zserve
-
-    if str(REPO) not in zserve.__path__:
-        zserve.__path__.append(str(REPO))
+    """zserve from this checkout, installed or not (the GPU image has no install of it)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import zserve  # noqa: F401
 
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -5,7 +5,8 @@ from pathlib import Path
 import msgspec.inspect as mi
 import pytest
 
-from zserve import config, config_reference
+from tools import config_reference
+from zserve import config
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ["zserve", "broker", "stages", "frontends", "tests", "bench", "deploy"]
+ROOMS = ["zserve", "tools", "tests", "bench", "deploy"]
 SUFFIXES = {".py", ".sh", ".toml", ".c", ".yaml", ".yml", ".conf"}
 DOCS_PAGE = re.compile(r"docs/([\w./-]+\.md)")
 # "README" as a citation, not a path to some folder's own README (bench/README.md, bench/gpu/README.md, ...).

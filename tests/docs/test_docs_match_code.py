@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the site, and the overview pages at the top of the repository and of bench/
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("*.md")), *sorted((ROOT / "bench").glob("*.md"))]
 # Where the code lives, for the checks that look a name up in it.
-CODE_ROOMS = ["zserve", "broker", "stages", "frontends", "bench", "tests", ".ci", "deploy"]
+CODE_ROOMS = ["zserve", "tools", "bench", "tests", ".ci", "deploy"]
 # The rooms of docs/architecture.md's layout.
-LAYOUT_ROOMS = ["zserve", "broker", "stages", "frontends"]
+LAYOUT_ROOMS = ["zserve", "tools"]
 # What commands write (the paths a page names as their output): not in the repository.
 OUTPUTS = ("bench/results/", "deploy/k8s/out")
 # Stale flags on a page this test cannot fix, each with its way out; the test fails when one is gone, so that the

@@ -1,4 +1,4 @@
-"""The gunicorn frontend's fast HTTP path (frontends/fast_http.py), over raw sockets: predict requests are
+"""The gunicorn frontend's fast HTTP path (zserve/frontends/fast_http.py), over raw sockets: predict requests are
 answered by it (``Server: zserve``), every other request by the falcon app (``Server: gunicorn/asgi``), on
 one keep-alive connection, pipelined, in order; HTTP framing errors and limits get JSON errors."""
 

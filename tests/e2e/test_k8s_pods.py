@@ -33,7 +33,7 @@ import pytest
 from cluster import SUPPORT
 
 from zserve.config import parse_config
-from zserve.k8s import RenderOptions, plan, render
+from zserve.deploy.k8s import RenderOptions, plan, render
 from zserve.keys import generate
 
 VENV_BIN = str(Path(sys.executable).parent)

@@ -36,7 +36,7 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
     d.wait_frontend_workers(2)  # ready means one serves; the second may still be booting on a busy machine
     children = d.descendants()
     names = " ".join(" ".join(p.cmdline()) for p in children)
-    assert "zserve.broker.broker" in names and "zserve.stages.engine" in names and "gunicorn" in names
+    assert "zserve.broker.broker" in names and "zserve.workers.engine" in names and "gunicorn" in names
     assert len([p for p in children if p.cmdline()[1:3] == ["-m", "gunicorn"]]) == 3  # master + 2 workers
     run_dir = run_dir_for(load_config(path), path)
     assert run_dir.stat().st_mode & 0o777 == 0o700
@@ -46,7 +46,7 @@ def test_crashed_engine_is_restarted_and_sigterm_leaves_nothing_running(tmp_path
     second._reader.join(timeout=5)
     assert f"(pid {d.proc.pid}) is already running" in second.output
 
-    engine = next(p for p in children if "zserve.stages.engine" in " ".join(p.cmdline()))
+    engine = next(p for p in children if "zserve.workers.engine" in " ".join(p.cmdline()))
     engine.send_signal(signal.SIGKILL)
     died = d.wait_for_line("engine-m-0 exited with code -9; restarting")
     d.wait_for_line("registered", timeout_s=60, after=died)

@@ -122,7 +122,7 @@ def test_cross_encoder_folder_scores_equal_cross_encoder_predict(deployment):
 def test_zserve_serve_infers_each_library_folder(stacks, tmp_path, tiny_cross_encoder):
     from sentence_transformers import CrossEncoder
 
-    from zserve.quickstart import infer_task, read_model_config
+    from zserve.deploy.quickstart import infer_task, read_model_config
 
     CrossEncoder(str(tiny_cross_encoder)).save(str(tmp_path / "ce"))
     for folder, task in [(stacks["lasttoken-prompts"], "embed"), (tmp_path / "ce", "rerank")]:

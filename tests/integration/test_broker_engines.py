@@ -16,7 +16,7 @@ import zmq
 
 import zserve
 from zserve.protocol import Codec, HealthQuery
-from zserve.stages.runtime import EXIT_REPLACED
+from zserve.workers.runtime import EXIT_REPLACED
 
 SLOW = """
 [broker]

@@ -131,7 +131,7 @@ def test_tcp_without_keys_or_plain_tcp_beyond_loopback_is_rejected():
 
 def test_workers_config_needs_the_remote_endpoints_and_keys(tmp_path):
     from zserve.config import ConfigError
-    from zserve.worker_host import load_workers_config
+    from zserve.deploy.worker_host import load_workers_config
 
     path = tmp_path / "w.toml"
     path.write_text('[broker]\nwork_endpoint = "tcp://10.0.0.1:1"\nout_endpoint = "tcp://10.0.0.1:2"\n' + MODEL)

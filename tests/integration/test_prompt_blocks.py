@@ -1,4 +1,4 @@
-"""The frontend's prompt blocks (frontends/prompt_blocks.py) are the engine's: the same token ids as
+"""The frontend's prompt blocks (zserve/frontends/prompt_blocks.py) are the engine's: the same token ids as
 ``Generator.prepare`` for a text prompt and for chat messages with the chat template, and the block hashes the
 engine's prefix cache stores for them (the tiny Llama of tests/support/tinylm.py, nothing downloaded)."""
 

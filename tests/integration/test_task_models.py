@@ -14,13 +14,13 @@ from tinylm import build_tiny_lm
 from tinymodels import CLASSIFIER_LABELS, IMAGE_LABELS, image_file
 
 from zserve.config import ConfigError, parse_config, to_toml
+from zserve.deploy.quickstart import infer_task, model_name, parse_option, read_model_config, serve_config
 from zserve.errors import BadRequest, ModelLoadError
 from zserve.model import predict_inline, setup_inline
 from zserve.models.classification import SequenceClassification
 from zserve.models.embedding import bundled_minilm_path
 from zserve.models.image_classification import ImageClassification
 from zserve.models.rerank import CrossEncoderRerank
-from zserve.quickstart import infer_task, model_name, parse_option, read_model_config, serve_config
 
 
 def _hf_logits(folder, texts, pairs=None):

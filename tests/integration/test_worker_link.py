@@ -13,7 +13,7 @@ from pathlib import Path
 import zmq
 
 from zserve.protocol import Batch, Codec, Heartbeat, Hello, Leave, Reset, Shutdown
-from zserve.stages.runtime import WorkerLink
+from zserve.workers.runtime import WorkerLink
 
 
 class ScriptedBroker:

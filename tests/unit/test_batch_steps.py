@@ -7,7 +7,7 @@ from testmodels import Picky
 from zserve import payload
 from zserve.models.echo import Echo
 from zserve.protocol import Batch, Status
-from zserve.stages.engine import BatchSteps
+from zserve.workers.engine import BatchSteps
 
 
 def run(model, items, decoded=False):

@@ -88,8 +88,8 @@ def test_py_spy_raw_summary(tmp_path: Path) -> None:
 
 def test_roles_of_zserve_and_peer_processes() -> None:
     assert role_of(["python", "-m", "zserve.broker.broker", "--config-json", "{}"]) == "broker"
-    assert role_of(["python", "-m", "zserve.stages.engine", "--name", "engine-minilm-0"]) == "engine-minilm"
-    assert role_of(["python", "-m", "zserve.stages.preprocess", "--name", "stage-minilm-0"]) == "stage-minilm"
+    assert role_of(["python", "-m", "zserve.workers.engine", "--name", "engine-minilm-0"]) == "engine-minilm"
+    assert role_of(["python", "-m", "zserve.workers.preprocess", "--name", "stage-minilm-0"]) == "stage-minilm"
     assert role_of(["/venv/bin/mosec", "/tmp/mosec_x/config.json"]) == "mosec"
     assert role_of(["python", "-m", "bench.serving.peer_mosec", "--port", "1"]) == "mosec-main"
     assert role_of(["python", "-m", "bench.serving.peer_streamer", "--port", "1"]) == "web"

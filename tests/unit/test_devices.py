@@ -9,8 +9,8 @@ import pytest
 from cluster import subprocess_env
 
 from zserve.config import ConfigError, parse_config
+from zserve.deploy.plan import plan
 from zserve.devices import check_devices, gpu_count
-from zserve.plan import plan
 
 GPU_MODEL = """
 [[models]]

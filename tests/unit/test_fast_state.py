@@ -1,4 +1,4 @@
-"""The fast path's connection state machine (frontends/fast_state.py): its paths, its error and disconnect
+"""The fast path's connection state machine (zserve/frontends/fast_state.py): its paths, its error and disconnect
 edges, and what it refuses."""
 
 from __future__ import annotations

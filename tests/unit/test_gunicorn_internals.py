@@ -1,4 +1,4 @@
-"""What the fast path takes of gunicorn's internals is still where it was (frontends/gunicorn_internals.py):
+"""What the fast path takes of gunicorn's internals is still where it was (zserve/frontends/gunicorn_internals.py):
 this fails naming the attribute and gunicorn's version when a release moves one."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import yaml
 from cluster import subprocess_env
 
 from zserve.config import ConfigError, parse_config
-from zserve.k8s import RenderOptions, plan, render
+from zserve.deploy.k8s import RenderOptions, plan, render
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install kubernetes-validate)"
@@ -175,7 +175,7 @@ def test_engines_replicas_gpus_cpu_names_and_probes():
     c = container(mini)
     assert c["resources"] == {"requests": {"cpu": "3"}, "limits": {"nvidia.com/gpu": "1"}}
     assert mini["spec"]["template"]["metadata"]["annotations"] == {"zserve.dev/engines-per-device": "2"}
-    assert c["command"] == ["python", "-m", "zserve.stages.engine"]
+    assert c["command"] == ["python", "-m", "zserve.workers.engine"]
     args = c["args"]
     assert args[args.index("--name") + 1] == "engine-mini_LM.v2@$(POD_NAME)"  # unique per pod
     assert args[args.index("--device") + 1] == "cuda:0"
@@ -194,7 +194,7 @@ def test_engines_replicas_gpus_cpu_names_and_probes():
     echo = deployments["zserve-engine-echo"]
     assert echo["spec"]["replicas"] == 2 and container(echo)["resources"] == {"requests": {"cpu": "1"}}
     stage = deployments["zserve-stage-mini-lm-v2"]
-    assert stage["spec"]["replicas"] == 2 and container(stage)["command"][-1] == "zserve.stages.preprocess"
+    assert stage["spec"]["replicas"] == 2 and container(stage)["command"][-1] == "zserve.workers.preprocess"
     assert env(container(stage))["CUDA_VISIBLE_DEVICES"] == ""
     # only models whose handler overrides preprocess get stages; the generative one is batched in its engine
     assert {n for n in deployments if n.startswith("zserve-stage-")} == {
@@ -207,7 +207,7 @@ def test_frontends_service_probes_keys_and_autoscalers():
     objs = manifests()
     front = by_kind(objs, "Deployment")["zserve-frontend"]
     c = container(front)
-    assert c["command"][:4] == ["python", "-m", "zserve.k8s_pod", "frontend"]
+    assert c["command"][:4] == ["python", "-m", "zserve.deploy.k8s_pod", "frontend"]
     assert c["args"][c["args"].index("--bind") + 1] == "0.0.0.0:8080" and "--workers" in c["args"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["resources"] == {"requests": {"cpu": "2"}}

@@ -1,5 +1,5 @@
-"""API key lines naming a tenant and a default priority (frontends/auth.py), and how a request's priority is chosen:
-the body's, else the native routes' header, else the key's."""
+"""API key lines naming a tenant and a default priority (zserve/frontends/auth.py), and how a request's priority is
+chosen: the body's, else the native routes' header, else the key's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The OpenAPI document's error answers (frontends/openapi.py): 429 (a tenant's quota) and 403 (a key's priority
+"""The OpenAPI document's error answers (zserve/frontends/openapi.py): 429 (a tenant's quota) and 403 (a key's priority
 cap) exactly on the routes whose requests reach the broker when API keys are on, with Retry-After on 429 and 503."""
 
 from __future__ import annotations

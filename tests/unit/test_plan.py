@@ -1,4 +1,4 @@
-"""The deployment plan (zserve.plan): which children a config yields, their command lines, environment,
+"""The deployment plan (zserve.deploy.plan): which children a config yields, their command lines, environment,
 readiness and order; no process is started."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from zserve.config import ConfigError, parse_config, to_toml
-from zserve.plan import CHILD_ENV, plan
+from zserve.deploy.plan import CHILD_ENV, plan
 
 TOML = """
 [supervisor]
@@ -72,14 +72,14 @@ def test_command_lines_and_environment(deployment):
     e = deployment.endpoints
     assert broker.argv[:3] == (sys.executable, "-m", "zserve.broker.broker")
     assert arg(broker.argv, "--client") == e.client and arg(broker.argv, "--staged-models") == "staged"
-    assert echo0.argv[:3] == (sys.executable, "-m", "zserve.stages.engine")
+    assert echo0.argv[:3] == (sys.executable, "-m", "zserve.workers.engine")
     assert arg(echo0.argv, "--name") == "engine-echo-0" and arg(echo0.argv, "--device") == "cpu"
     assert arg(echo0.argv, "--work-endpoint") == e.work and arg(echo0.argv, "--heartbeat-interval-ms") == "100"
     assert echo0.env == {"OMP_NUM_THREADS": "3"}
     assert (
         echo1.env == {"OMP_NUM_THREADS": "3", "CUDA_VISIBLE_DEVICES": "1"} and arg(echo1.argv, "--device") == "cuda:0"
     )
-    assert stage0.argv[:3] == (sys.executable, "-m", "zserve.stages.preprocess") and stage0.argv[-2:] == (
+    assert stage0.argv[:3] == (sys.executable, "-m", "zserve.workers.preprocess") and stage0.argv[-2:] == (
         "--credits",
         "1",
     )

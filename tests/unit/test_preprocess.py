@@ -11,8 +11,8 @@ from zserve.batching.scheduler import BatchPolicy, Scheduler
 from zserve.batching.workers import WorkerPool
 from zserve.hooks import HookError, check_preprocess_hooks, uses_preprocess
 from zserve.protocol import Batch, Status
-from zserve.stages.engine import BatchSteps
-from zserve.stages.preprocess import PreprocessRunner
+from zserve.workers.engine import BatchSteps
+from zserve.workers.preprocess import PreprocessRunner
 
 
 class TokenizerInSetupPreprocess(Model):

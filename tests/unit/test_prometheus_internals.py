@@ -1,4 +1,4 @@
-"""The private Histogram fields metrics.py writes (frontends/prometheus_internals.py) are still there: this
+"""The private Histogram fields metrics.py writes (zserve/frontends/prometheus_internals.py) are still there: this
 fails naming the field and prometheus-client's version when a release moves one."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from zserve.config import parse_config
+from zserve.deploy.status import model_lines, not_ready, tenant_lines
 from zserve.protocol import EngineRouting, HealthReport, ModelHealth, TenantHealth
-from zserve.status import model_lines, not_ready, tenant_lines
 
 CONFIG = parse_config("""
 [[models]]

@@ -8,7 +8,7 @@ from supervisor.datatypes import RestartUnconditionally
 from supervisor.options import ServerOptions
 
 from zserve.config import parse_config
-from zserve.supervisord import render
+from zserve.deploy.supervisord import render
 
 TOML = """
 [supervisor]

@@ -1,4 +1,4 @@
-"""Tool calling's pure parts (frontends/tool_calls.py): the request checks, the forced schemas, and the
+"""Tool calling's pure parts (zserve/frontends/tool_calls.py): the request checks, the forced schemas, and the
 parsers per family, fed whole and in every split into two chunks and token-sized pieces (a stream's deltas
 must always reassemble into the whole answer)."""
 

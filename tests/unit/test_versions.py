@@ -8,8 +8,8 @@ import transformers
 
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
+from zserve.deploy.status import version_lines
 from zserve.protocol import HealthQuery, HealthReport, Hello, ModelHealth
-from zserve.status import version_lines
 from zserve.versions import library_versions
 
 CONFIG = """

@@ -1,5 +1,5 @@
 """The generative engine library: pure PyTorch logic, no sockets (the engine process around it is
-``stages/generate/runner.py``).
+``zserve/workers/generate/runner.py``).
 
 block_manager (paged KV bookkeeping), sequence (request state, sampling params), scheduler (iteration-level
 batching with a token budget, chunked prefill, preemption by recompute), attention (paged attention, also

@@ -1,6 +1,6 @@
 """The generator: one object that loads the model and tokenizer, sizes the KV pool, turns requests into
 token ids and sampling parameters, and owns the ``StepCore``. The generative engine process's runner
-(``stages/generate/runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both
+(``zserve/workers/generate/runner.py``) and in-process generation (``zserve.pipeline``, ``CausalLM.generate``) both
 use it, so there is one tokenisation path.
 
 Its ``max_running`` (sequences per step) is also how many sequences the broker admits to it.

@@ -1,7 +1,7 @@
 """The step core: add requests (under the caller's ids), call ``step()``; each step runs one packed
 forward pass over every scheduled sequence and returns the tokens it produced. No sockets and no
 text: ``generator.Generator`` owns it (tokenising, in-process generate) and the engine process shell
-(``stages/generate/runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else
+(``zserve/workers/generate/runner.py``) drives it. The model is ours for the Llama family (``llama.py``), else
 Hugging Face's, unchanged, with our paged attention registered.
 
 Per step the Python work is O(1) per sequence: each sequence keeps its KV slot table and block table as

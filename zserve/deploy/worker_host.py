@@ -26,8 +26,8 @@ from zserve.config import (
     check_tcp_endpoint,
     load_toml,
 )
+from zserve.deploy.plan import Deployment, plan
 from zserve.devices import check_devices
-from zserve.plan import Deployment, plan
 
 
 class RemoteBrokerConfig(_Section, kw_only=True):

@@ -1,6 +1,6 @@
 """What a pod of ``zserve k8s``'s manifests runs that the plain module commands do not.
 
-``python -m zserve.k8s_pod frontend [--curve-key K --broker-key B] -- GUNICORN_ARGS``: gunicorn in this
+``python -m zserve.deploy.k8s_pod frontend [--curve-key K --broker-key B] -- GUNICORN_ARGS``: gunicorn in this
 process, after making every tcp socket its workers open authenticate with CURVE (``use_curve_for_tcp``;
 the workers are forked from this process, and each builds its client after the fork) and after creating
 what `zserve up` creates for the frontends: the run dir (for gunicorn's pid file) and an empty prometheus
@@ -20,7 +20,7 @@ from zserve.transport import use_curve_for_tcp
 
 
 def frontend(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zserve.k8s_pod frontend")
+    parser = argparse.ArgumentParser(prog="python -m zserve.deploy.k8s_pod frontend")
     parser.add_argument("--curve-key", default="", help="the frontends' NAME.key_secret")
     parser.add_argument("--broker-key", default="", help="the broker's public NAME.key")
     parser.add_argument("gunicorn_args", nargs=argparse.REMAINDER, help="-- then gunicorn's arguments")
@@ -44,7 +44,7 @@ def frontend(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["frontend"]:
-        print("usage: python -m zserve.k8s_pod frontend [--curve-key K --broker-key B] -- ARGS", file=sys.stderr)
+        print("usage: python -m zserve.deploy.k8s_pod frontend [--curve-key K --broker-key B] -- ARGS", file=sys.stderr)
         return 2
     return frontend(argv[1:])
 

@@ -1,8 +1,8 @@
 """The deployment plan: from a config, the processes to run (name, role, command line, environment, what
 "ready" means for each, start and stop order, stop timeouts), as data. Nothing here starts, signals or waits
-for a process: `zserve up` and `zserve workers` run a plan (``zserve.supervisor``), `zserve supervisord-conf`
-and `zserve child` render and exec it (``zserve.supervisord``), `zserve k8s` turns it into manifests
-(``zserve.k8s``), and ``zserve.serve`` runs `zserve up`.
+for a process: `zserve up` and `zserve workers` run a plan (``zserve.deploy.supervisor``), `zserve supervisord-conf`
+and `zserve child` render and exec it (``zserve.deploy.supervisord``), `zserve k8s` turns it into manifests
+(``zserve.deploy.k8s``), and ``zserve.serve`` runs `zserve up`.
 
 The children refer to the modules they run by name (``-m zserve.broker.broker``, ``-m gunicorn``): the plan
 imports none of the rooms above the base package (broker, stages, frontends).
@@ -179,7 +179,7 @@ class Deployment:
 
     def _worker_argv(self, module: str, name: str, model: ModelConfig, device: str) -> list[str]:
         b = self.config.broker
-        return [sys.executable, "-m", f"zserve.stages.{module}", "--name", name,
+        return [sys.executable, "-m", f"zserve.workers.{module}", "--name", name,
                 "--model-json", msgspec.json.encode(model).decode(), "--device", device,
                 "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
                 "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),

@@ -1,6 +1,6 @@
 """A preprocess stage process: CPU work (tokenising, decoding images) on whole batches, beside the engines.
 
-``python -m zserve.stages.preprocess --name stage-minilm-0 --model-json '{...}' --work-endpoint ...
+``python -m zserve.workers.preprocess --name stage-minilm-0 --model-json '{...}' --work-endpoint ...
 --out-endpoint ...``. Started by the supervisor for every model that overrides ``preprocess``; it runs
 ``setup_preprocess`` (never ``setup``: no weights here), registers with the broker exactly like an engine
 (role "preprocess"), and for each batch runs ``decode_request`` (for direct clients' items) and
@@ -20,8 +20,8 @@ from zserve import payload
 from zserve.hooks import check_preprocess_hooks
 from zserve.model import Model
 from zserve.protocol import Batch, BatchResult, Status
-from zserve.stages.items import Failure, ResultBuilder, decode_items
-from zserve.stages.runtime import run_worker
+from zserve.workers.items import Failure, ResultBuilder, decode_items
+from zserve.workers.runtime import run_worker
 
 log = logging.getLogger("zserve.preprocess")
 

@@ -3,7 +3,7 @@
 ``zserve supervisord-conf -c supervisor.toml`` renders a supervisord configuration with one program per
 process `zserve up` would start (broker, engines, stages, the frontend server), in one group. Each program
 runs ``zserve child -c supervisor.toml NAME``, which takes that process from the plan `zserve up` runs
-(``zserve.plan``) and execs it (so supervisord watches the real pid, and an edit of supervisor.toml takes
+(``zserve.deploy.plan``) and execs it (so supervisord watches the real pid, and an edit of supervisor.toml takes
 effect on the next restart). What supervisord cannot express, the processes do themselves:
 
 - start order: priorities start broker (10), then stages and engines (20), then the frontend (30); stops
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from zserve.client import Client
 from zserve.config import Config, ConfigError
-from zserve.plan import ChildSpec, plan
-from zserve.supervisor import StartupError, lock_run_dir, wait_for, workers_registered
+from zserve.deploy.plan import ChildSpec, plan
+from zserve.deploy.supervisor import StartupError, lock_run_dir, wait_for, workers_registered
 
 
 def priority(spec: ChildSpec) -> int:

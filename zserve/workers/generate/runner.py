@@ -40,9 +40,9 @@ from zserve.generator.generator import PreparedPrompt, generator_of
 from zserve.generator.grammar_compile import Ticket
 from zserve.generator.step_core import TokenOutput
 from zserve.protocol import Batch, Codec, Status, StepOutput
-from zserve.stages.items import Failure
-from zserve.stages.runtime import WorkerLink, enter_compute_thread
 from zserve.transport import make_socket
+from zserve.workers.items import Failure
+from zserve.workers.runtime import WorkerLink, enter_compute_thread
 
 log = logging.getLogger("zserve.generate")
 

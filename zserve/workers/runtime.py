@@ -332,7 +332,7 @@ def run_worker(
     until SIGTERM or Shutdown; a runner may set the link's credits before it registers.
     ``computes_on_thread``: the runner computes on a thread of its own, which calls
     ``enter_compute_thread(link.threads)`` first; the main thread keeps torch serial."""
-    parser = argparse.ArgumentParser(prog=f"python -m zserve.stages.{role}", description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m zserve.workers.{role}", description=description)
     parser.add_argument("--name", required=True, help="process name, e.g. engine-echo-0")
     parser.add_argument("--model-json", required=True, help="the model's [[models]] table as JSON")
     parser.add_argument("--work-endpoint", required=True)

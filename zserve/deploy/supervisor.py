@@ -1,4 +1,5 @@
-"""``zserve up`` and ``zserve workers``: run a deployment plan (``zserve.plan``): start, watch and stop its processes.
+"""``zserve up`` and ``zserve workers``: run a deployment plan (``zserve.deploy.plan``): start, watch and stop its
+processes.
 
 Order: broker -> engines -> (once every engine has registered) the gunicorn frontend -> one line
 ``zserve ready: http://HOST:PORT`` once /readyz answers 200. A child that dies is restarted with
@@ -33,13 +34,13 @@ from pathlib import Path
 from typing import IO
 
 from zserve.client import Client
+from zserve.deploy.plan import ChildSpec, Deployment
 from zserve.errors import EXIT_CANNOT_LOAD, BrokerUnavailable
 from zserve.frontend_reload import ReloadError, RollingReload
-from zserve.plan import ChildSpec, Deployment
 from zserve.state import ProcessState, SupervisorState, write_state
 from zserve.transport import child_env
 
-log = logging.getLogger("zserve.supervisor")
+log = logging.getLogger("zserve.deploy.supervisor")
 
 _TICK_S = 0.1
 _MAX_BACKOFF_S = 10.0

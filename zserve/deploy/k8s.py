@@ -12,7 +12,7 @@ One pod per process `zserve up` would start, each joining the broker over CURVE 
 - the frontends (gunicorn) as a Deployment and a Service; their ZeroMQ clients connect over CURVE tcp;
 - CURVE keys from one Secret (rendered as references; ``keys_command`` says how to create it);
 - probes: the broker's ports, the frontends' ``/readyz`` and ``/healthz``, and a worker's registration
-  (the file ``stages/runtime.py`` keeps while the broker knows it);
+  (the file ``zserve/workers/runtime.py`` keeps while the broker knows it);
 - PodDisruptionBudgets, ``terminationGracePeriodSeconds`` as `zserve up` and supervisord allow each role;
 - autoscaling: HPAs on CPU for the frontends and each model's stages; for each model's engines a KEDA
   ScaledObject whose Prometheus trigger reads the broker's queue depth and in-flight items for that model
@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from zserve.config import Config, ConfigError, Endpoints, ModelConfig, to_toml
-from zserve.plan import ChildSpec, Deployment
-from zserve.plan import plan as plan_deployment
+from zserve.deploy.plan import ChildSpec, Deployment
+from zserve.deploy.plan import plan as plan_deployment
 
 CONFIG_DIR = "/etc/zserve"
 CONFIG_PATH = f"{CONFIG_DIR}/supervisor.toml"
@@ -41,7 +41,7 @@ RUN_DIR = "/tmp/zserve"  # an emptyDir: the root filesystem is read-only
 KEYS_DIR = "/var/run/zserve/keys"  # this pod's own key pair and the broker's public key
 AUTHORIZED_DIR = "/var/run/zserve/authorized"  # the broker's: the public keys it admits
 API_KEYS_DIR = "/var/run/zserve/api-keys"
-WORKER_STATE_DIR = "/tmp/zserve-worker"  # stages/runtime.py: `registered` while registered, `alive` touched
+WORKER_STATE_DIR = "/tmp/zserve-worker"  # zserve/workers/runtime.py: `registered` while registered, `alive` touched
 MODELS_DIR = "/models"  # where a models PVC is mounted (--models-pvc)
 PORTS = {"client": 5555, "work": 5556, "out": 5557}
 USER_ID = 10001  # the Containerfile's user
@@ -387,7 +387,7 @@ class _Renderer:
         f = self.config.frontends
         argv = list(child.argv[3:])  # gunicorn's arguments (after `python -m gunicorn`)
         keys = ["--curve-key", f"{KEYS_DIR}/frontend.key_secret", "--broker-key", f"{KEYS_DIR}/broker.key"]
-        command = ["python", "-m", "zserve.k8s_pod", "frontend", *(keys if self.secure else []), "--"]
+        command = ["python", "-m", "zserve.deploy.k8s_pod", "frontend", *(keys if self.secure else []), "--"]
         env = [
             self.configmap_env("ZSERVE_FRONTEND", "frontend.json"),
             {"name": "PROMETHEUS_MULTIPROC_DIR", "value": f"{RUN_DIR}/metrics"},

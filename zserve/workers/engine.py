@@ -1,6 +1,6 @@
 """An engine process: loads one model on one device, then runs the batches the broker sends it.
 
-``python -m zserve.stages.engine --name engine-echo-0 --model-json '{...}' --work-endpoint ...
+``python -m zserve.workers.engine --name engine-echo-0 --model-json '{...}' --work-endpoint ...
 --out-endpoint ... [--device cpu]``. Started by the supervisor; every argument comes from it.
 
 Failure isolation: an item that fails to decode, or whose output is an exception, fails alone. If
@@ -29,9 +29,9 @@ from zserve.frames import pack
 from zserve.hooks import check_preprocess_hooks
 from zserve.model import Model, uses_preprocess
 from zserve.protocol import Batch, BatchResult, Codec, Status
-from zserve.stages.items import Failure, ResultBuilder, decode_items
-from zserve.stages.runtime import WorkerLink, enter_compute_thread, run_worker
 from zserve.transport import make_socket
+from zserve.workers.items import Failure, ResultBuilder, decode_items
+from zserve.workers.runtime import WorkerLink, enter_compute_thread, run_worker
 
 log = logging.getLogger("zserve.engine")
 
@@ -199,7 +199,7 @@ def start_engine(model: Model, device: str) -> None:
 def make_runner(model: Model, link: WorkerLink) -> Any:
     """Batch models run batch by batch; generative models run sequences, every step, on the engine core."""
     if model.generative:
-        from zserve.stages.generate.runner import GenerationRunner
+        from zserve.workers.generate.runner import GenerationRunner
 
         return GenerationRunner(model, link)
     link.preprocesses = preprocesses_when_idle(model)

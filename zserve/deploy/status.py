@@ -110,7 +110,7 @@ def status(config: Config, config_path: str | os.PathLike[str], out: IO[str], ti
         staged = state.staged
     else:
         lines.append("no `zserve up` supervisor for this file (under supervisord: supervisorctl status)")
-        from zserve.plan import model_kinds  # loads the handler classes, constructors only
+        from zserve.deploy.plan import model_kinds  # loads the handler classes, constructors only
 
         staged = model_kinds(config)[0]
     with Client(endpoint) as client:

@@ -2,8 +2,8 @@
 each key's type, default and attribute docstring (the string literal under the field). One source of truth, as
 ``/openapi.json`` is generated from the API types.
 
-    python -m zserve.config_reference docs/configuration.md   # rewrite the page
-    python -m zserve.config_reference                         # print it
+    python -m tools.config_reference docs/configuration.md   # rewrite the page
+    python -m tools.config_reference                         # print it
 
 ``tests/docs/test_config_reference.py`` fails when the page is stale, and so does this module when a key has no
 description.
@@ -24,7 +24,7 @@ import msgspec.inspect as mi
 
 from zserve.config import Config
 
-COMMAND = "python -m zserve.config_reference docs/configuration.md"
+COMMAND = "python -m tools.config_reference docs/configuration.md"
 
 _INTRO = f"""\
 # Configuration reference
