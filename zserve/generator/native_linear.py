@@ -55,6 +55,15 @@ _TILE = r"""
     }
 """
 
+
+def fp32_tile_source(macro: str = "TILE", prefix: str = "tile") -> str:
+    """The fp32 tile macro, named ``macro`` and making functions ``prefix_MB_NP``: the quantised kernels run their
+    many-row products through the same tiles (``zserve.generator.native_quant``)."""
+    return _TILE.replace("#define TILE(", f"#define {macro}(").replace(
+        "static void tile_##", f"static void {prefix}_##"
+    )
+
+
 _ENTRY = r"""
 /* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) w^T (+ bias [N]); wp: w packed in panels of VW,
    N a multiple of VW. Rows in blocks of even size up to `cap`, a block of r rows against groups of
@@ -135,7 +144,7 @@ def source(isa: str) -> str:
         c_build.vectors(c_build.ISAS[isa].width)
         + f"#include <stdint.h>\n#define MAXR {max_rows}\n#define MAXP {max_panels}\n"
         + "typedef void (*tile_fn)(const float *, long, const float *, int, const float *, float *, long);\n"
-        + _TILE
+        + fp32_tile_source()
         + "\n".join(f"TILE({mb}, {np})" for mb, np in sorted(tiles))
         + f"\nstatic const tile_fn TILES[{max_rows + 1}][{max_panels + 1}] = {{\n{table}\n}};\n"
         + _ENTRY

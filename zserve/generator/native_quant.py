@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zserve.generator import c_build
+from zserve.generator import c_build, native_linear
 
 BLOCK = 32  # inputs per scale: GGUF's Q8_0 block
 FORMATS = ("i8", "i8m", "u4m")  # see the module's docstring
@@ -161,28 +161,10 @@ static inline vf vh2f(const uint16_t *p) {
     }
 /* Many rows of u4m: converting every weight vector again for each block of rows costs more than the
    products (at 32 rows 1.35x i8's time). A group of panels is then dequantised once into fp32 panels,
-   q * s + m, and those run through fp32 tiles (native_linear's) for every block of rows: 1.68 -> 1.26 ms at
-   32 rows of a 3072 x 576 product, 3.3 -> 2.3 at 64, on AVX-512 and AVX2 alike (the fp32 kernel: 1.50, 2.52).
+   q * s + m, and those run through fp32 tiles (native_linear's, spliced in as FTILE) for every block of rows:
+   1.68 -> 1.26 ms at 32 rows of a 3072 x 576 product, 3.3 -> 2.3 at 64, on AVX-512 and AVX2 alike (the fp32
+   kernel: 1.50, 2.52).
    The 8-bit formats gain nothing from it below 64 rows and lose at 16-32 (0.64 -> 0.80 ms at 16) */
-#define FTILE(MB, NP)                                                                                        \
-    static void ftile_##MB##_##NP(const float *x, long ldx, const float *w, int K, const float *bias, float *y, \
-                                  long ldy) {                                                                \
-        vf acc[MB][NP];                                                                                      \
-        for (int p = 0; p < NP; p++) {                                                                       \
-            const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
-            for (int m = 0; m < MB; m++) acc[m][p] = b;                                                      \
-        }                                                                                                    \
-        for (int k = 0; k < K; k++) {                                                                        \
-            vf wv[NP];                                                                                       \
-            for (int p = 0; p < NP; p++) wv[p] = vload(w + ((long)p * K + k) * VW);                          \
-            for (int m = 0; m < MB; m++) {                                                                   \
-                const float xv = x[m * ldx + k];                                                             \
-                for (int p = 0; p < NP; p++) acc[m][p] += xv * wv[p];                                        \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int m = 0; m < MB; m++)                                                                         \
-            for (int p = 0; p < NP; p++) vstore(y + m * ldy + p * VW, acc[m][p]);                            \
-    }
 /* one panel [K][VW] of format fmt -> fp32 [K][VW] at w: q * s (+ m), each weight the dequantised one */
 static void dequant_panel(const void *q, const void *s, const void *mn, int fmt, int half, int K, float *w) {
     const int KB = K / 32;
@@ -323,6 +305,7 @@ def source(isa: str) -> str:
         + " int, const float *, float *, long);\n"
         + "typedef void (*ftile_fn)(const float *, long, const float *, int, const float *, float *, long);\n"
         + _TILE
+        + native_linear.fp32_tile_source("FTILE", "ftile")
         + "\n".join(f"TILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in tiles(fmt))
         + "\n"
         + "\n".join(f"FTILE({mb}, {np})" for mb, np in tiles(0))
