@@ -17,7 +17,7 @@ import time
 from types import ModuleType
 
 from bench.common.paths import RESULTS
-from zserve.generator import scheduler as ranked
+from zserve.generator import step_scheduler as ranked
 from zserve.generator.block_manager import BlockManager
 from zserve.generator.sequence import SamplingParams, Sequence
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from zserve.generator.block_manager import BlockManager
-from zserve.generator.scheduler import Chunk, StepScheduler
 from zserve.generator.sequence import SamplingParams, Sequence
+from zserve.generator.step_scheduler import StepScheduler, StepSpan
 
 
 def make(
@@ -47,11 +47,11 @@ def seq(seq_id: int, prompt_len: int, priority: int = 0, new: int = 4) -> Sequen
                     priority=priority)  # fmt: skip
 
 
-def step(s: StepScheduler) -> tuple[list[Chunk], list[int]]:
-    """One engine step without a model: (the chunks, the ids that finished)."""
-    chunks = s.schedule()
+def step(s: StepScheduler) -> tuple[list[StepSpan], list[int]]:
+    """One engine step without a model: (the spans, the ids that finished)."""
+    spans = s.schedule()
     done = []
-    for c in chunks:
+    for c in spans:
         c.seq.num_computed = c.end
         s.blocks.mark_computed(c.seq.kv, c.end)
         if c.samples:
@@ -59,7 +59,7 @@ def step(s: StepScheduler) -> tuple[list[Chunk], list[int]]:
             if c.seq.num_generated >= c.seq.params.max_new_tokens:
                 s.finish(c.seq)
                 done.append(c.seq.seq_id)
-    return chunks, done
+    return spans, done
 
 
 def drain(s: StepScheduler, limit: int = 1000) -> list[int]:
@@ -95,11 +95,11 @@ def test_a_block_short_step_preempts_the_least_urgent_latest_arrival_never_a_mor
         s.add(x, float(now))
     step(s)
     assert s.blocks.num_free == 0 and len(s.running) == 3
-    chunks, _ = step(s)
+    spans, _ = step(s)
     # b (most urgent, though it came after a) takes c's block (priority 2 like a, but later); a then has
     # nobody less urgent left and preempts itself rather than b
     assert [x.seq_id for x in s.waiting.values()] == [c.seq_id, a.seq_id]
-    assert [ch.seq.seq_id for ch in chunks] == [b.seq_id] and list(s.running) == [b.seq_id]
+    assert [ch.seq.seq_id for ch in spans] == [b.seq_id] and list(s.running) == [b.seq_id]
     assert s.preemptions == 2
 
 
@@ -112,9 +112,9 @@ def test_an_urgent_arrival_takes_blocks_from_less_urgent_running_ones_only_as_ma
     assert s.blocks.num_free == 0
     urgent = seq(9, 3, priority=0)  # one block
     s.add(urgent, 0.1)
-    chunks, _ = step(s)
+    spans, _ = step(s)
     assert urgent.seq_id in s.running and [x.seq_id for x in s.waiting.values()] == [2]  # the latest only
-    assert {ch.seq.seq_id for ch in chunks} == {0, 1, 9}
+    assert {ch.seq.seq_id for ch in spans} == {0, 1, 9}
     assert drain(s)[0] == urgent.seq_id
 
 
@@ -158,9 +158,9 @@ def test_nobody_is_preempted_for_a_sequence_the_token_budget_cannot_admit_this_s
     s.add(urgent, 0.5)
     requesters = watch_make_room(s)
     for _ in range(2):  # then b's 12th token fills its last block and b, the least urgent, preempts itself
-        chunks, _ = step(s)
+        spans, _ = step(s)
         assert s.preemptions == 0 and not requesters
-        assert {c.seq.seq_id for c in chunks} == {a.seq_id, b.seq_id} and urgent.seq_id in s.waiting
+        assert {c.seq.seq_id for c in spans} == {a.seq_id, b.seq_id} and urgent.seq_id in s.waiting
 
 
 def test_nobody_is_preempted_for_a_sequence_that_finds_no_token_budget_left():
@@ -178,12 +178,12 @@ def test_nobody_is_preempted_for_a_sequence_that_finds_no_token_budget_left():
     s.add(urgent, 0.2)
     requesters = watch_make_room(s)
     for _ in range(20):
-        chunks, _ = step(s)
+        spans, _ = step(s)
         if urgent.seq_id not in s.waiting:
             break
-        assert s.preemptions == 0 and v.seq_id in s.running and [c.seq for c in chunks] == [a]
+        assert s.preemptions == 0 and v.seq_id in s.running and [c.seq for c in spans] == [a]
     assert requesters == [urgent] and s.preemptions == 1 and v.seq_id in s.waiting
-    assert [c.seq.seq_id for c in chunks] == [a.seq_id, urgent.seq_id]
+    assert [c.seq.seq_id for c in spans] == [a.seq_id, urgent.seq_id]
 
 
 def test_aging_bounds_the_wait_of_a_less_urgent_sequence():
@@ -197,8 +197,8 @@ def test_aging_bounds_the_wait_of_a_less_urgent_sequence():
         for k in range(1, 60):
             now = 0.25 * k
             s.add(seq(k, 3, priority=0, new=1), now)
-            chunks, _ = step(s)
-            started += [c.seq.seq_id for c in chunks if c.start == 0]
+            spans, _ = step(s)
+            started += [c.seq.seq_id for c in spans if c.start == 0]
             if 0 in started and admitted is None:
                 admitted = now
         return started, admitted
@@ -238,7 +238,7 @@ def test_an_aborted_waiting_sequence_and_a_reused_id_keep_the_order():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_random_priorities_keep_every_invariant(seed):
-    """A small pool, random priorities and arrivals: every chunk is of a running sequence (once: vLLM 23347
+    """A small pool, random priorities and arrivals: every span is of a running sequence (once: vLLM 23347
     scheduled a request it then preempted in the same step), the step never runs out of blocks, a victim is
     never more urgent than a sequence that stays or joins, a sequence that preempts others to join does join in
     that step, and everything finishes with every block back."""
@@ -256,8 +256,8 @@ def test_random_priorities_keep_every_invariant(seed):
             s.add(pending.pop(0), now)
         before = dict(s.running)
         requesters.clear()
-        chunks, done = step(s)  # BlockPoolExhausted here would be a broken reservation
-        ids = [c.seq.seq_id for c in chunks]
+        spans, done = step(s)  # BlockPoolExhausted here would be a broken reservation
+        ids = [c.seq.seq_id for c in spans]
         assert len(ids) == len(set(ids)) and all(i in s.running or i in done for i in ids)
         # a preemption for a waiting sequence admits it in the same step
         assert all(x.seq_id in ids and x.seq_id not in before for x in requesters)
@@ -265,7 +265,7 @@ def test_random_priorities_keep_every_invariant(seed):
         if victims:
             worst = min(v.rank for v in victims)
             stayed = [x for i, x in before.items() if i not in s.waiting]
-            joined = [c.seq for c in chunks if c.seq.seq_id not in before]
+            joined = [c.seq for c in spans if c.seq.seq_id not in before]
             assert all(x.rank < worst for x in stayed + joined)
         finished += done
     assert sorted(finished) == list(range(30)) and s.blocks.num_free == 12
@@ -314,14 +314,14 @@ def _fuzz(seed: int) -> None:
             aborted.add(x.seq_id)
         before = dict(s.running)
         requesters.clear()
-        chunks, finished = step(s)
-        ids = [c.seq.seq_id for c in chunks]
+        spans, finished = step(s)
+        ids = [c.seq.seq_id for c in spans]
         assert len(ids) == len(set(ids)) and all(i in s.running or i in finished for i in ids)
         victims = [x for i, x in before.items() if i in s.waiting]
         if victims:
             worst = min(v.rank for v in victims)
             stayed = [x for i, x in before.items() if i not in s.waiting]
-            joined = [c.seq for c in chunks if c.seq.seq_id not in before]
+            joined = [c.seq for c in spans if c.seq.seq_id not in before]
             assert all(x.rank < worst for x in stayed + joined)
         assert all(x.seq_id in ids and x.seq_id not in before for x in requesters)
         done.update(finished)

@@ -27,8 +27,8 @@ from zserve.generator.block_manager import BlockManager
 from zserve.generator.cuda_graphs import DecodeGraphs
 from zserve.generator.llama import LlamaFamily
 from zserve.generator.sampler import Sampler, TokenLogprobs, prompt_logprobs
-from zserve.generator.scheduler import Chunk, StepScheduler
 from zserve.generator.sequence import SamplingParams, Sequence
+from zserve.generator.step_scheduler import StepScheduler, StepSpan
 
 if TYPE_CHECKING:
     from zserve.generator.tensor_parallel import TensorParallelGroup
@@ -87,7 +87,7 @@ class StepCore:
         is broadcast to the other ranks before it runs. ``cuda_graphs``: decode-only steps replay CUDA graphs
         (``cuda_graphs.py``) where they apply: our model code, alone, attending through the Triton kernel.
         ``priority_aging_s``: how long a sequence waits to count as one priority level more urgent
-        (``scheduler.py``)."""
+        (``step_scheduler.py``)."""
         config = model.config
         self.model = model.eval()
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id)
@@ -186,12 +186,12 @@ class StepCore:
             seq.slots[j * bs : (j + 1) * bs] = self._block_slots + table[j] * bs
         seq.kv.num_synced = len(table)
 
-    def _meta(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int], _PromptRows]:
+    def _meta(self, spans: list[StepSpan]) -> tuple[torch.Tensor, torch.Tensor, StepMeta, list[int], _PromptRows]:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         writes, tables, slot_rows, lengths, starts, sample_rows = [], [], [], [], [0], []
         prompt_rows = _PromptRows()
-        for c in chunks:
+        for c in spans:
             seq = c.seq
             self._sync(seq)
             ids += seq.tokens[c.start : c.end]
@@ -205,18 +205,18 @@ class StepCore:
                 sample_rows.append(starts[-1] - 1)
             if seq.prompt_logprobs_todo:
                 prompt_rows.add(seq, c.start, c.end, starts[-2])
-        num_decodes = sum(1 for c in chunks if c.end - c.start == 1 and c.start > 0)
+        num_decodes = sum(1 for c in spans if c.end - c.start == 1 and c.start > 0)
         meta = StepMeta(self.blocks.block_size, torch.cat(writes), starts, lengths, num_decodes, tables, slot_rows)
         return torch.tensor([ids]), torch.cat(positions).unsqueeze(0), meta, sample_rows, prompt_rows
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        spans = self.scheduler.schedule()
+        if not spans:
             return []
         # decodes first (the layout paged kernels take); order within each group is kept
-        chunks.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
-        ids, positions, meta, sample_rows, prompt_rows = self._meta(chunks)
+        spans.sort(key=lambda c: not (c.end - c.start == 1 and c.start > 0))
+        ids, positions, meta, sample_rows, prompt_rows = self._meta(spans)
         rows = sample_rows + prompt_rows.rows
         graphs = self.graphs
         if self.tensor_parallel is not None:
@@ -241,10 +241,10 @@ class StepCore:
         stats.steps += 1
         stats.batch_tokens = ids.shape[1]
         stats.computed_tokens += ids.shape[1]
-        for c in chunks:
+        for c in spans:
             c.seq.num_computed = c.end
             self.blocks.mark_computed(c.seq.kv, c.end)
-        sampling = [c.seq for c in chunks if c.samples]
+        sampling = [c.seq for c in spans if c.samples]
         sampled = self.sampler.run(logits, sampling) if sampling else None
         tokens = sampled.tokens if sampled else []
         logprobs = sampled.logprobs if sampled and sampled.logprobs else [None] * len(tokens)

@@ -39,7 +39,7 @@ from zserve.generator.sequence import Sequence
 
 
 @dataclass(slots=True)
-class Chunk:
+class StepSpan:
     """Compute positions [start, end) of ``seq`` this step; it samples a token if end reaches its length."""
 
     seq: Sequence
@@ -117,8 +117,8 @@ class StepScheduler:
         self._wait(victim)
         self.preemptions += 1
 
-    def schedule(self) -> list[Chunk]:
-        chunks: list[Chunk] = []
+    def schedule(self) -> list[StepSpan]:
+        spans: list[StepSpan] = []
         budget = self.max_batched_tokens
         bs = self.blocks.block_size
         new_blocks = 0  # blocks that this step's sampled tokens will need
@@ -140,7 +140,7 @@ class StepScheduler:
                 if len(order) < i:
                     break  # it preempted itself: every less urgent one is gone already
                 new_blocks += 1
-            chunks.append(Chunk(seq, seq.num_computed, end))
+            spans.append(StepSpan(seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         while budget > 0 and len(self.running) < self.max_running:
             seq = self._head()
@@ -150,7 +150,7 @@ class StepScheduler:
             if pending:
                 break  # its prefix is being computed: share it once that prefill is done
             todo = len(seq.tokens) - ready * bs
-            if not self.chunked_prefill and todo > budget and chunks:
+            if not self.chunked_prefill and todo > budget and spans:
                 break  # the whole prompt in one step, or wait for a step of its own
             # the prompt's blocks, plus one if its first token opens a new block
             extra = 1 if len(seq.tokens) % bs == 0 else 0
@@ -166,9 +166,9 @@ class StepScheduler:
             end = len(seq.tokens) if not self.chunked_prefill else min(len(seq.tokens), cached + budget)
             if end == len(seq.tokens):
                 new_blocks += extra
-            chunks.append(Chunk(seq, cached, end))
+            spans.append(StepSpan(seq, cached, end))
             budget -= end - cached
-        return chunks
+        return spans
 
     def _make_room(self, head: Sequence, order: list[Sequence]) -> None:
         """``head``, the most urgent waiting sequence, is more urgent than the last of ``order`` (the running
