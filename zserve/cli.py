@@ -115,7 +115,7 @@ def _supervisord_conf(args: argparse.Namespace) -> int:
 def _k8s(args: argparse.Namespace) -> int:
     import yaml
 
-    from zserve.deploy.k8s import RenderOptions, header, plan, render
+    from zserve.deploy.k8s import RenderOptions, header, pod_plan, render
 
     config = _load(args.config)
     if config is None:
@@ -125,7 +125,7 @@ def _k8s(args: argparse.Namespace) -> int:
         max_engines_factor=args.max_engines_factor, max_frontends=args.max_frontends, models_pvc=args.models_pvc,
     )  # fmt: skip
     try:
-        manifests = render(plan(config, opts), opts)
+        manifests = render(pod_plan(config, opts), opts)
     except ConfigError as exc:
         print(f"zserve: {exc}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ import pytest
 from cluster import SUPPORT
 
 from zserve.config import parse_config
-from zserve.deploy.k8s import RenderOptions, plan, render
+from zserve.deploy.k8s import RenderOptions, pod_plan, render
 from zserve.keys import generate
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -316,7 +316,7 @@ def k8s(tmp_path):
     for name in ("broker", "worker", "frontend"):
         generate(keys, name)  # what the Secret holds: `kubectl create secret generic zserve-keys --from-file=keys/`
     opts = RenderOptions()
-    objs = render(plan(parse_config(CONFIG), opts), opts)
+    objs = render(pod_plan(parse_config(CONFIG), opts), opts)
     cluster = Cluster(objs, tmp_path / "pods", keys, net)
     try:
         yield cluster

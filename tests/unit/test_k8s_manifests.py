@@ -14,7 +14,7 @@ import yaml
 from cluster import subprocess_env
 
 from zserve.config import ConfigError, parse_config
-from zserve.deploy.k8s import RenderOptions, plan, render
+from zserve.deploy.k8s import RenderOptions, pod_plan, render
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install kubernetes-validate)"
@@ -109,7 +109,7 @@ SCALED_OBJECT_SCHEMA = {
 
 def manifests(toml: str = EVERY_KIND, **options) -> list[dict]:
     opts = RenderOptions(**options)
-    return render(plan(parse_config(toml), opts), opts)
+    return render(pod_plan(parse_config(toml), opts), opts)
 
 
 def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:

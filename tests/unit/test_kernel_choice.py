@@ -25,12 +25,12 @@ def test_it_falls_back_to_onednn_when_a_variant_is_slower_failed_or_ties():
     assert kc.choose({}) == kc.ONEDNN
 
 
-def test_a_plan_routes_each_row_count_to_the_nearest_measured_bucket():
+def test_the_fastest_routes_send_each_row_count_to_the_nearest_measured_bucket():
     timings = {
         "576->576": {1: {kc.ONEDNN: 2.0, A: 1.0}, 4: {kc.ONEDNN: 2.0, B: 1.0}, 64: {kc.ONEDNN: 1.0, A: 1.1},
                      512: {kc.ONEDNN: 2.0, kc.TORCH: 1.0, A: None}},
     }  # fmt: skip
-    route = kc.plan(timings)["576->576"]
+    route = kc.fastest_routes(timings)["576->576"]
     assert route.rows == (1, 4, 64, 512)
     assert route.kinds == (A, B, kc.ONEDNN, kc.TORCH)
     # limits at the geometric means: 2, 16, ~181
@@ -44,7 +44,7 @@ def test_the_measured_speedup_is_onednns_time_over_the_chosen_and_never_below_on
         "a": {1: {kc.ONEDNN: 3.0, A: 1.0}, 8: {kc.ONEDNN: 1.0, A: 4.0}},
         "b": {1: {kc.ONEDNN: 1.0, A: 1.0}, 8: {kc.ONEDNN: 1.0, A: None, kc.TORCH: 0.5}},
     }
-    routes = kc.plan(timings)
+    routes = kc.fastest_routes(timings)
     ratios = kc.speedup(timings, routes)
     assert ratios == {1: 4.0 / 2.0, 8: 2.0 / 1.5}
     line = kc.summary(routes, ratios, cached=False)
@@ -62,7 +62,7 @@ def test_the_cache_key_includes_the_cpu_the_source_threads_shapes_and_versions()
 
 
 def test_a_choice_survives_its_cache_file():
-    routes = kc.plan({"s": {1: {kc.ONEDNN: 2.0, A: 1.0}, 64: {kc.ONEDNN: 1.0}}})
+    routes = kc.fastest_routes({"s": {1: {kc.ONEDNN: 2.0, A: 1.0}, 64: {kc.ONEDNN: 1.0}}})
     again, ratios = kc.from_json(kc.to_json(routes, {1: 2.0, 64: 1.0}))
     assert again == routes and ratios == {1: 2.0, 64: 1.0}
 

@@ -32,8 +32,7 @@ from typing import Any
 import msgspec
 
 from zserve.config import Config, ConfigError, Endpoints, ModelConfig, to_toml
-from zserve.deploy.plan import ChildSpec, Deployment
-from zserve.deploy.plan import plan as plan_deployment
+from zserve.deploy.plan import ChildSpec, Deployment, plan
 
 CONFIG_DIR = "/etc/zserve"
 CONFIG_PATH = f"{CONFIG_DIR}/supervisor.toml"
@@ -433,7 +432,7 @@ class _Renderer:
 
 def render(deployment: Deployment, opts: RenderOptions) -> list[dict[str, Any]]:
     """The manifests, in apply order, for ``deployment``, which must be planned from ``pod_config(config,
-    opts)`` and ``CONFIG_PATH`` (``plan`` does both)."""
+    opts)`` and ``CONFIG_PATH`` (``pod_plan`` does both)."""
     r = _Renderer(deployment, opts)
     broker_child = deployment.broker()
     config_toml = to_toml(deployment.config)
@@ -454,10 +453,10 @@ def render(deployment: Deployment, opts: RenderOptions) -> list[dict[str, Any]]:
     return out
 
 
-def plan(config: Config, opts: RenderOptions) -> Deployment:
+def pod_plan(config: Config, opts: RenderOptions) -> Deployment:
     """The plan for the pods' view of ``config``. Imports every handler class (constructors only), as `zserve up`
     does, so a broken one fails here."""
-    return plan_deployment(pod_config(config, opts), CONFIG_PATH)
+    return plan(pod_config(config, opts), CONFIG_PATH)
 
 
 def header(opts: RenderOptions) -> str:

@@ -68,7 +68,7 @@ class Route:
         return set(self.kinds)
 
 
-def plan(timings: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> dict[str, Route]:
+def fastest_routes(timings: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> dict[str, Route]:
     """For each shape (its key in ``timings``), the route choosing the fastest per bucket."""
     return {shape: Route.of({rows: choose(t) for rows, t in by_rows.items()}) for shape, by_rows in timings.items()}
 

@@ -108,7 +108,7 @@ def _routes(groups: dict[str, list[nn.Linear]], buckets: dict[str, tuple[int, ..
         pass
     started = time.perf_counter()
     timings = measure(groups, buckets, budget_s)
-    routes = kernel_choice.plan(timings)
+    routes = kernel_choice.fastest_routes(timings)
     ratios = kernel_choice.speedup(timings, routes)
     took = time.perf_counter() - started
     unmeasured = sum(all(t is None for t in cell.values()) for by_rows in timings.values() for cell in by_rows.values())
