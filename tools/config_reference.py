@@ -4,6 +4,8 @@ each key's type, default and attribute docstring (the string literal under the f
 
     python -m tools.config_reference docs/configuration.md   # rewrite the page
     python -m tools.config_reference                         # print it
+    python -m tools.config_reference --engine-options docs/generation.md  # its "Engine options" table, from
+                                                                           # zserve/generator/options.py
 
 ``tests/docs/test_config_reference.py`` fails when the page is stale, and so does this module when a key has no
 description.
@@ -113,6 +115,11 @@ def table_intro(struct: type) -> str:
 
 
 def table(struct: type, heading: str) -> str:
+    return "\n".join([f"## `{heading}`", "", table_intro(struct), "", *rows(struct)]) + "\n"
+
+
+def rows(struct: type, first: str = "key") -> list[str]:
+    """The Struct's fields as a markdown table: name, type with bounds, default, docstring."""
     info = mi.type_info(struct)
     assert isinstance(info, mi.StructType)
     docs = field_docs(struct)
@@ -121,11 +128,34 @@ def table(struct: type, heading: str) -> str:
         raise MissingDescription(
             f"{struct.__name__}: {', '.join(missing)} need a docstring (a string literal under the field)"
         )
-    lines = [f"## `{heading}`", "", table_intro(struct), ""]
-    lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = [f"| {first} | type | default | meaning |", "|---|---|---|---|"]
     for f in info.fields:
         lines.append(f"| `{f.name}` | {_cell(type_name(f.type))} | {_cell(default_text(f))} | {_cell(docs[f.name])} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+ENGINE_COMMAND = "python -m tools.config_reference --engine-options docs/generation.md"
+ENGINE_HEADING = "## Engine options\n"
+
+
+def engine_options(page: str) -> str:
+    """``page`` (docs/generation.md) with its "Engine options" section generated from ``GeneratorOptions``."""
+    from zserve.generator.options import GeneratorOptions
+
+    start = page.index(ENGINE_HEADING) + len(ENGINE_HEADING)
+    end = page.find("\n## ", start)
+    end = len(page) if end < 0 else end + 1
+    section = [
+        "",
+        f"<!-- Generated from zserve/generator/options.py by `{ENGINE_COMMAND}`: edit the docstrings there. -->",
+        "",
+        table_intro(GeneratorOptions),
+        "",
+        *rows(GeneratorOptions, first="option"),
+        "",
+        "",
+    ]
+    return page[:start] + "\n".join(section) + page[end:]
 
 
 def render(config: type = Config) -> str:
@@ -146,6 +176,10 @@ def render(config: type = Config) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--engine-options"]:
+        page = Path(args[1] if len(args) > 1 else "docs/generation.md")
+        page.write_text(engine_options(page.read_text()))
+        return 0
     text = render()
     if not args:
         sys.stdout.write(text)

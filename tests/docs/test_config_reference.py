@@ -7,8 +7,10 @@ import pytest
 
 from tools import config_reference
 from zserve import config
+from zserve.generator.options import GeneratorOptions
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+GENERATION = PAGE.with_name("generation.md")
 
 
 def test_page_is_current() -> None:
@@ -17,8 +19,18 @@ def test_page_is_current() -> None:
     )
 
 
+def test_the_engine_options_table_is_current() -> None:
+    """docs/generation.md's "Engine options" table is generated from GeneratorOptions, the one definition."""
+    page = GENERATION.read_text()
+    assert page == config_reference.engine_options(page), (
+        f"docs/generation.md's engine options are stale: regenerate them with "
+        f"`.venv/bin/{config_reference.ENGINE_COMMAND}`"
+    )
+
+
 @pytest.mark.parametrize(
-    "struct", [config.SupervisorConfig, config.BrokerConfig, config.FrontendsConfig, config.ModelConfig]
+    "struct",
+    [GeneratorOptions, config.SupervisorConfig, config.BrokerConfig, config.FrontendsConfig, config.ModelConfig],
 )
 def test_every_key_is_described(struct: type) -> None:
     info = mi.type_info(struct)

@@ -11,6 +11,7 @@ import msgspec
 
 from zserve.errors import BadRequest
 from zserve.frontends import tool_calls
+from zserve.generator.options import default_max_running
 from zserve.generator.schema_check import unenforceable
 from zserve.model import Model
 
@@ -132,7 +133,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def max_running(model: Model) -> int:
-    return int(model.options.get("max_running", 64))
+    """The model's ``max_running`` option, else its default (GeneratorOptions', the one definition)."""
+    return int(model.options.get("max_running", default_max_running()))
 
 
 def tooling(body: dict[str, Any]) -> tuple[list[tool_calls.Function], str | tool_calls.Function, bool] | None:

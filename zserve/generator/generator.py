@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,9 @@ from zserve.generation import (
 from zserve.generator import cpu_linear, grammar
 from zserve.generator.attention import cache_dtype
 from zserve.generator.detokenize import TextStream
-from zserve.generator.grammar_compile import CompileBudget, GrammarService
+from zserve.generator.grammar_compile import GrammarService
 from zserve.generator.llama import own_model
+from zserve.generator.options import GeneratorOptions, resolve_dtype
 from zserve.generator.sampler import TokenLogprobs
 from zserve.generator.schema_check import unenforceable
 from zserve.generator.sequence import SamplingParams
@@ -65,34 +67,6 @@ class PreparedPrompt:
 
     def with_grammar(self, compiled: Any) -> PreparedPrompt:
         return dataclasses.replace(self, params=dataclasses.replace(self.params, grammar=compiled))
-
-
-@dataclass(frozen=True, slots=True)
-class GeneratorOptions:
-    """How the core is sized and scheduled (CausalLM's options of the same names)."""
-
-    kv_cache_bytes: int = 0  # 0 = 1 GiB on a CPU, 90% of the free memory on a GPU
-    num_blocks: int = 0  # overrides kv_cache_bytes
-    block_size: int = 16
-    max_batched_tokens: int = 512
-    max_running: int = 64
-    chunked_prefill: bool = True
-    prefix_caching: bool = True
-    max_new_tokens: int = 64  # the default per request
-    tensor_parallel: int = 1  # processes in the engine group (each holds 1/N of the heads and of the KV cache)
-    # on a CPU: "auto" (each layer shape and row bucket on what measured fastest at start: our kernel's
-    # schedules, oneDNN or torch, kernel_tune.py), "native" (fp32 through our C kernel, native_linear.py, else
-    # as "onednn"), "onednn" (weights prepacked once for oneDNN, cpu_linear.py) or "torch"
-    cpu_linear: str = "auto"
-    cpu_attention: str = "native"  # on a CPU: "native" (decodes through the C kernel, native.py) or "torch"
-    # on a CPU: "int8" (a checkpoint's linear layers but the LM head quantised at load, quant_linear.py),
-    # "auto" (a GGUF's Q8_0 tensors kept as they are, else as loaded) or "none" (every weight dequantised)
-    quantization: str = "auto"
-    model_impl: str = "auto"  # "zserve" (our code, llama.py), "transformers" (HF's modules), "auto": ours if we have it
-    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs where they apply (cuda_graphs.py)
-    # what one schema's grammar may cost to compile, and what the compiled grammars' cache keeps
-    # (grammar_compile.py): past either budget the request is refused, naming its field
-    grammar: CompileBudget = dataclasses.field(default_factory=CompileBudget)
 
 
 class Generator:
@@ -141,7 +115,7 @@ class Generator:
         from zserve.gguf_cache import converted_path, resolve_model_path
 
         path = resolve_model_path(path)
-        dtype = resolved_dtype(dtype, device)
+        dtype = resolve_dtype(device, dtype)
         if options.quantization == "int8" and (device != "cpu" or options.tensor_parallel != 1):
             raise ValueError(
                 f"quantization 'int8' runs on a CPU in one process, not on {device} with tensor_parallel "
@@ -421,19 +395,18 @@ def pool_blocks(
     return max(1, budget // per_block)
 
 
-def resolved_dtype(dtype: str, device: str) -> str:
-    """``dtype`` "auto": bfloat16 on CUDA (what GPUs compute fastest, and what models ship in), float32
-    elsewhere (a CPU without AMX computes bf16 products slower than fp32 ones)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
-
-
 def generator_of(model: Any) -> Generator:
     """The generator of a generative handler after ``setup``; a clear error when it breaks the contract."""
     generator = getattr(model, "generator", None)
-    if generator is None:  # handlers written before 2026-12-06 set ``self.engine``; still accepted
-        generator = getattr(model, "engine", None)
+    if generator is None and isinstance(getattr(model, "engine", None), Generator):
+        # handlers written before 2026-12-06 set ``self.engine``: still accepted, with a warning
+        warnings.warn(
+            f"{type(model).__name__}.setup() set self.engine; the attribute is self.generator now "
+            "(self.engine is read until a later release)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        generator = model.engine
     if not isinstance(generator, Generator):
         raise TypeError(
             f"{type(model).__name__} says generative = True, but its setup() did not set self.generator to a "

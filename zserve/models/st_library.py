@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from zserve.errors import ModelLoadError
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from zserve.generator.options import DTYPES, resolve_dtype
 
 # Keyword arguments for every transformers ``from_pretrained`` of a batch model. transformers 5.25 turned the
 # ``kernels`` package's hub kernels on by default (``use_kernels=None`` became True; 5.17 to 5.24 default to False):
@@ -39,15 +38,11 @@ def check_dtype(dtype: str) -> str:
 
 
 def torch_dtype(dtype: str, device: Any) -> Any:
-    """The torch dtype for a handler's ``dtype`` option on ``device``. ``auto``: bfloat16 on a CUDA device that
-    supports it (tensor cores, half the memory; within cosine 0.999 of float32, tested), float32 elsewhere (on
-    this project's CPUs bf16 matmuls measured slower than fp32, and older GPUs have no bf16)."""
+    """The torch dtype for a handler's ``dtype`` option on ``device``: ``resolve_dtype``'s, the rule of every
+    model kind (``auto``: bfloat16 on a CUDA device that supports it, float32 elsewhere)."""
     import torch
 
-    if dtype == "auto":
-        cuda = torch.device(device).type == "cuda"
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-    return getattr(torch, dtype)
+    return getattr(torch, resolve_dtype(device, dtype))
 
 
 def load(cls: type, folder: str, device: str | None, **kwargs: Any) -> Any:
