@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from zserve.errors import BadRequest
+from zserve.errors import BadRequest, field_of, validation_parts
 from zserve.protocol import TokenLogprob, TopLogprob
 
 
@@ -92,17 +92,6 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: list[PromptLogprob] | None = None  # one per prompt token, when asked
 
 
-def _field_of(exc: msgspec.ValidationError) -> str:
-    text = str(exc)
-    if "unknown field `" in text:
-        return text.split("unknown field `", 1)[1].split("`", 1)[0]
-    at = text.rfind("at `$.")
-    if at < 0:
-        return "body"
-    path = text[at + len("at `$.") :].rstrip("`")
-    return path.split("[", 1)[0].split(".", 1)[0] or "body"
-
-
 _INTERNAL_FIELDS = ("prompt_token_ids", "prompt_tokenizer")
 
 
@@ -125,8 +114,7 @@ def parse_generate_request(body: Any, *, token_ids: bool = False) -> GenerateReq
     try:
         return msgspec.convert(body, GenerateRequest)
     except msgspec.ValidationError as exc:
-        message = str(exc).split(" - at `", 1)[0]
-        raise BadRequest(f"{message}", field=_field_of(exc)) from None
+        raise BadRequest(validation_parts(exc)[0], field=field_of(exc)) from None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
