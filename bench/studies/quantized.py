@@ -33,10 +33,10 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from msgspec.structs import replace
 from torch import nn
 
 from zserve.generator import c_build, quant_linear

@@ -25,10 +25,11 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from msgspec.structs import replace
 from torch import nn
 
 from bench.common import report

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import replace
 
 import pytest
 import torch
+from msgspec.structs import replace
 from tinylm import build_tiny_lm
 from transformers import AutoModelForCausalLM
 
