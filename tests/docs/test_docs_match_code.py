@@ -296,3 +296,21 @@ def test_the_nginx_keep_alive_numbers_are_the_frontends() -> None:
     assert int(timeout) < keep_alive_s
     claims = [int(n) for n in re.findall(r"--keep-alive\W*(\d+)", text)]
     assert claims and all(n == keep_alive_s + 1 for n in claims), claims
+
+
+def test_the_kubernetes_example_is_the_repository_config_rendered_today(tmp_path: Path) -> None:
+    """deploy/k8s/example/ is what deploy/k8s/README.md's command renders from supervisor.toml now: a config option
+    added or a module moved (the engines' `python -m` path) shows up here rather than in a user's cluster."""
+    from zserve.cli import main
+
+    out = tmp_path / "example"
+    assert (
+        main(["k8s", "-c", str(ROOT / "supervisor.toml"), "-o", str(out), "--image", "registry.example.com/zserve:cpu"])
+        == 0
+    )
+    example = ROOT / "deploy" / "k8s" / "example"
+    rendered = {p.name: p.read_text() for p in sorted(out.iterdir())}
+    kept = {p.name: p.read_text() for p in sorted(example.glob("*.yaml"))}
+    assert sorted(kept) == sorted(rendered), "regenerate deploy/k8s/example with the command in deploy/k8s/README.md"
+    stale = [name for name in rendered if rendered[name] != kept[name]]
+    assert not stale, f"{stale} differ: regenerate deploy/k8s/example with the command in deploy/k8s/README.md"
