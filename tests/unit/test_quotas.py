@@ -171,3 +171,27 @@ def test_an_urgent_request_is_not_refused_for_the_queue_it_goes_before() -> None
     core.tick(0.0)
     [batch] = batches(core.flush()[1])
     assert [core.requests.get(i).req_id for i in batch.header.item_ids] == [8, 1]
+
+
+def test_a_request_refused_overloaded_after_admission_gets_its_tokens_back() -> None:
+    """Tenant "tokens" has 600 tokens a minute; the queue holds 2 (max_queue), so of three requests of 200 tokens
+    the third is refused OVERLOADED, and its 200 tokens go back: a fourth of 400 fits the minute's bucket."""
+    core = BrokerCore(parse_config(CONFIG.replace("max_queue = 100", "max_queue = 2")), epoch=1, first_batch_id=1)
+    send(core, b"c", [1, 2, 3], 0.0, tenant="tokens", cost=200)
+    clients, _ = core.flush()
+    [(refused, _)] = replies(clients, b"c")
+    assert (refused.req_id, refused.status) == (3, Status.OVERLOADED)
+    assert core.tenants.quotas["tokens"]._tpm.level == pytest.approx(200)
+    hello(core, b"w", credits=2)
+    core.tick(0.0)
+    send(core, b"c", [4], 0.0, tenant="tokens", cost=200)  # the queue has room again; the bucket holds 200
+    clients, _ = core.flush()
+    assert replies(clients, b"c") == []
+
+
+def test_bucket_gives_back_at_most_its_capacity() -> None:
+    bucket = TokenBucket(rate=1.0, capacity=10.0)
+    assert bucket.wait_s(0.0, 4.0) == 0.0
+    bucket.take(4.0)
+    bucket.give_back(100.0)  # more than it took: capped at the capacity
+    assert bucket.level == 10.0

@@ -3,7 +3,8 @@
 Requests per second and tokens per minute are token buckets (a bucket holds at most one second's requests, or one
 minute's tokens, so a tenant idle for an hour cannot then send an hour's worth at once); concurrent requests are a
 count of the tenant's requests pending in the broker, which the caller passes in. A request past a quota takes
-nothing from any bucket, and the refusal says which quota and when to retry.
+nothing from any bucket, and the refusal says which quota and when to retry. A request admitted and then refused
+OVERLOADED (queue full, pushed out, or it would be late) gets what it took back: it was computed for nobody.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class TokenBucket:
 
     def take(self, amount: float) -> None:
         self.level -= min(amount, self.capacity)
+
+    def give_back(self, amount: float) -> None:
+        """Return what ``take(amount)`` took (the bucket still holds at most its capacity)."""
+        self.level = min(self.capacity, self.level + min(amount, self.capacity))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +82,10 @@ class TenantQuota:
         if self._tpm is not None:
             self._tpm.take(cost)
         return None
+
+    def refund(self, cost: int) -> None:
+        """Give back what ``admit`` took for a request of ``cost`` tokens that was then refused without being served."""
+        if self._rps is not None:
+            self._rps.give_back(1.0)
+        if self._tpm is not None:
+            self._tpm.give_back(cost)

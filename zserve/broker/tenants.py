@@ -49,6 +49,10 @@ class Tenants:
         return True
 
     def count_overloaded(self, request: Request) -> None:
-        """The request is refused OVERLOADED (queue full, pushed out, or it would be late)."""
+        """The admitted request is refused OVERLOADED (queue full, pushed out, or it would be late): count it, and
+        give its tenant's quotas back what its admission took, as it is computed for nobody."""
         if request.tenant:
             self.counts[request.tenant][2] += 1
+            quota = self.quotas.get(request.tenant)
+            if quota is not None:
+                quota.refund(request.cost)
