@@ -1,8 +1,12 @@
-"""What a generative model is asked and what it answers: one request body, validated once.
+"""What a generative model is asked and what it answers: one request type, validated once.
 
 Every route (native ``/v1/models/{name}/predict``, OpenAI, DeepSpeed-MII, the Python clients) turns what it
-receives into a ``GenerateRequest``; the engine turns that into token ids and sampling parameters. Errors
-name the offending field, so HTTP answers 400 with ``field`` set and the Python client raises ``BadRequest``.
+receives into a ``GenerateRequest``: the native body is one; the OpenAI and MII bodies are typed Structs
+(``zserve.frontends.api_types``) whose sampling fields take their ranges from the aliases below, so a range is
+declared once, and ``zserve.frontends.openai_params`` maps them (vLLM's ``to_sampling_params``). The request
+travels msgpack-encoded as it is; the engine decodes it with ``decode_generate_request`` (``type=GenerateRequest``)
+and ``Generator.prepare`` turns it into token ids and ``SamplingParams``. Errors name the offending field, so
+HTTP answers 400 with ``field`` set and the Python client raises ``BadRequest``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,20 @@ from msgspec import Meta
 
 from zserve.errors import BadRequest, field_of, validation_parts
 from zserve.protocol import TokenLogprob, TopLogprob
+
+# The sampling ranges, declared once: GenerateRequest and the HTTP bodies (api_types) take their fields from these.
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (OpenAI's own limits: 20 for chat, 5 for completions)
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # seeds travel to torch as int64
+TokenCount = Annotated[int, Meta(ge=1)]
+MinTokens = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0)]
+Temperature = Annotated[float, Meta(ge=0.0)]
+TopK = Annotated[int, Meta(ge=0)]  # 0 = off
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's presence and frequency penalties
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]  # HF's; 1 = off
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]  # token id (as a string) -> added to its logit
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -32,28 +50,28 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, rendered by the chat template
-    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None  # None: the model's default
+    max_new_tokens: TokenCount | None = None  # None: the model's default
     # DeepSpeed-MII's cap on prompt + generated tokens; the tighter of the two applies
-    max_length: Annotated[int, Meta(ge=1)] | None = None
-    min_new_tokens: Annotated[int, Meta(ge=0)] = 0  # eos and stop ids are ignored until this many tokens
-    temperature: Annotated[float, Meta(ge=0.0)] = 0.0  # 0 = greedy
-    top_k: Annotated[int, Meta(ge=0)] = 0  # 0 = off
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
+    max_length: TokenCount | None = None
+    min_new_tokens: MinTokens = 0  # eos and stop ids are ignored until this many tokens
+    temperature: Temperature = 0.0  # 0 = greedy
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Int64 | None = None
     stop: list[str] = []
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
+    stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     # OpenAI's penalties (on the generated tokens), HF's repetition penalty (prompt and generated tokens)
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0  # 1 = off
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}  # token id (as a string) -> bias
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = {}
     # the sampled tokens' log-probabilities under the model, each with the `logprobs` most likely tokens'
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: LogprobCount | None = None
     # the prompt tokens' log-probabilities (each given the tokens before it), each with the `prompt_logprobs`
     # most likely tokens' (vLLM's extension; completions' echo with logprobs). Such a prompt is computed whole,
     # never taken from the prefix cache.
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: LogprobCount | None = None
     # structured output: any JSON object, or a JSON value matching this JSON schema (JSON text)
     json_object: bool = False
     json_schema: str | None = None
@@ -61,7 +79,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     # engine does not tokenise again. Internal to a deployment: a client's body that carries them is refused
     # (``parse_generate_request``), and the engine takes them only when ``prompt_tokenizer`` is its own
     # tokenizer's fingerprint (same vocabulary, rules and chat template), else it tokenises the text itself.
-    prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     prompt_tokenizer: str = ""
 
     def __post_init__(self) -> None:
@@ -115,6 +133,20 @@ def parse_generate_request(body: Any, *, token_ids: bool = False) -> GenerateReq
         return msgspec.convert(body, GenerateRequest)
     except msgspec.ValidationError as exc:
         raise BadRequest(validation_parts(exc)[0], field=field_of(exc)) from None
+
+
+_request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+
+
+def decode_generate_request(data: Any) -> GenerateRequest:
+    """The engine's one decode of a request a deployment encoded (a frontend's ``GenerateRequest``, msgpack, the
+    payload's first frame), ``type=GenerateRequest``: no dict in between. Raises ``BadRequest`` naming the field."""
+    try:
+        return _request_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(validation_parts(exc)[0], field=field_of(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed generate request: {exc}", field="body") from None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

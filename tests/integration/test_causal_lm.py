@@ -7,6 +7,7 @@ import torch
 from tinylm import build_tiny_lm
 
 import zserve
+from zserve.generation import GenerateRequest
 from zserve.generator.detokenize import TextStream
 
 
@@ -85,7 +86,7 @@ def test_bad_requests_and_options_are_clear_errors(pipe):
     with pytest.raises(zserve.BadRequest) as info:
         pipe.model.decode_request({"text": "no prompt"})
     assert info.value.field == "text"  # the unknown field is named
-    assert pipe.model.decode_request("plain text") == {"prompt": "plain text"}
+    assert pipe.model.decode_request("plain text") == GenerateRequest(prompt="plain text")  # travels as it is
     with pytest.raises(ValueError, match="needs the `path` option"):
         zserve.pipeline("zserve.models.causal_lm:CausalLM")
     with pytest.raises(ValueError, match="cpu_linear 'mkl' must be auto, native, onednn or torch"):

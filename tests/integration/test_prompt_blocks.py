@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from tinylm import build_tiny_lm
 
+from zserve import payload
 from zserve.batching.prefix_hash import shareable_hashes
 from zserve.errors import BadRequest
 from zserve.frontends.prompt_blocks import PromptBlocks
-from zserve.generation import parse_generate_request
+from zserve.generation import GenerateRequest, decode_generate_request, parse_generate_request
 from zserve.generator.generator import Generator, GeneratorOptions
 
 
@@ -22,23 +23,32 @@ def tiny_path(tmp_path_factory):
 def test_the_frontend_tokenises_and_hashes_as_the_engine_does(tiny_path):
     engine = Generator.load(str(tiny_path), options=GeneratorOptions(num_blocks=64, block_size=4))
     blocks = PromptBlocks({"path": str(tiny_path), "block_size": 4})
-    assert blocks({"prompt": "x" * 100}) == []  # no tokenizer yet: routed by load
-    blocks.prompt_ids({"prompt": "x"})  # loads it here (the frontend's start() loads it on a thread)
+    assert blocks(GenerateRequest(prompt="x" * 100)) == []  # no tokenizer yet: routed by load
+    blocks.prompt_ids(GenerateRequest(prompt="x"))  # loads it here (the frontend's start() loads it on a thread)
     text = {"prompt": "Seattle is a city in the state of Washington. " * 3, "max_new_tokens": 2}
     chat = {"messages": [{"role": "system", "content": "DeepSpeed is a deep learning optimization library."},
                          {"role": "user", "content": "The quick brown fox"}], "max_new_tokens": 2}  # fmt: skip
     for body in (text, chat):
         ids = engine.prepare(parse_generate_request(body)).prompt_ids
-        assert blocks.prompt_ids(body) == ids
-        hashes = blocks(body)
+        item = parse_generate_request(body)  # what the frontend's decode_request makes
+        assert blocks.prompt_ids(item) == ids
+        hashes = blocks(item)
         assert hashes == shareable_hashes(ids, 4) and len(hashes) >= 3
-        # the ids travel in the body, with the fingerprint of the tokenizer that made them: the engine's own
-        assert body["prompt_token_ids"] == ids and body["prompt_tokenizer"] == engine.tokenizer_fingerprint != ""
-        engine.generate([parse_generate_request(body, token_ids=True)])  # the engine caches the prompt's blocks
+        # the ids travel in the request, with the fingerprint of the tokenizer that made them: the engine's own
+        assert item.prompt_token_ids == ids and item.prompt_tokenizer == engine.tokenizer_fingerprint != ""
+        # as the runner gets it: the client's frames, decoded with type=GenerateRequest
+        received = decode_generate_request(payload.encode(item)[0])
+        assert received == item
+        engine.generate([received])  # the engine caches the prompt's blocks
         assert all(h in engine.core.blocks.by_hash for h in hashes)
-    assert PromptBlocks({"path": str(tiny_path), "prefix_caching": False})(text) == []
+    assert PromptBlocks({"path": str(tiny_path), "prefix_caching": False})(parse_generate_request(text)) == []
     missing = PromptBlocks({"path": "/nonexistent"})
-    assert missing._load() is None and not missing.enabled and missing(text) == []  # routed by load alone
+    assert missing._load() is None and not missing.enabled and missing(parse_generate_request(text)) == []
+
+
+def test_prompt_blocks_take_the_engines_defaults():
+    blocks, defaults = PromptBlocks({"path": "x"}), GeneratorOptions()
+    assert (blocks.block_size, blocks.enabled) == (defaults.block_size, defaults.prefix_caching)
 
 
 def test_the_engine_takes_the_frontends_ids_only_from_its_own_tokenizer(tiny_path):

@@ -240,3 +240,15 @@ def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(reference):
         return tokens
 
     assert run(False) == run(True)
+
+
+def test_a_bare_core_takes_the_engine_options_defaults(reference):
+    """GeneratorOptions is the one definition of the defaults: a core built without options runs as the engine's."""
+    from zserve.generator.options import GeneratorOptions
+
+    core, options = StepCore(copy.deepcopy(reference), num_blocks=8), GeneratorOptions()
+    assert core.blocks.block_size == options.block_size and core.blocks.prefix_caching == options.prefix_caching
+    s = core.scheduler
+    assert (s.max_batched_tokens, s.max_running, s.chunked_prefill) == (
+        options.max_batched_tokens, options.max_running, options.chunked_prefill,
+    )  # fmt: skip

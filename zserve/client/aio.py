@@ -20,7 +20,7 @@ from zserve.client.streams import AsyncGenerationStream, prompt_body, response_o
 from zserve.client.sync import _AUTH_FAILED, endpoint_from_config, submits_messages
 from zserve.errors import BrokerUnavailable, ZserveError
 from zserve.frames import received
-from zserve.generation import GenerateResponse
+from zserve.generation import GenerateRequest, GenerateResponse
 from zserve.keys import AuthenticationFailed, CurveKeys
 from zserve.protocol import Cancel, Chunk, Codec, HealthQuery, HealthReport, Reply, Submit
 from zserve.transport import make_socket
@@ -189,7 +189,7 @@ class AsyncClient:
 
     def generate_stream(
         self,
-        prompt: str | list[dict[str, str]] | dict[str, Any],
+        prompt: str | list[dict[str, str]] | dict[str, Any] | GenerateRequest,
         *,
         model: str,
         timeout_ms: int | None = None,
@@ -199,10 +199,11 @@ class AsyncClient:
         **sampling: Any,
     ) -> AsyncGenerationStream:
         """``async for delta in client.generate_stream("...", model="lm")``; ``prompt`` is a text, chat
-        messages, or (with ``decoded=True``, as the frontends do) a body ``decode_request`` already made.
-        The request leaves when iteration starts."""
+        messages, a body, or (with ``decoded=True``, as the frontends do) the ``GenerateRequest`` that
+        ``decode_request`` made. The request leaves when iteration starts."""
         blocks = self._blocks_of[model](prompt) if decoded and model in self._blocks_of else []  # before encoding
-        frames = payload.encode(prompt if isinstance(prompt, dict) else prompt_body(prompt, sampling))
+        body = prompt if isinstance(prompt, (dict, GenerateRequest)) else prompt_body(prompt, sampling)
+        frames = payload.encode(body)
         return AsyncGenerationStream(
             model,
             lambda stream: self._start(model, frames, timeout_ms, decoded, True, stream, 0, blocks, priority, tenant),

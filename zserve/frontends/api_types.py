@@ -14,10 +14,21 @@ import msgspec
 from msgspec import Meta
 
 from zserve.errors import BadRequest, field_of, validation_parts
+from zserve.generation import (
+    Int64,
+    LogitBias,
+    LogprobCount,
+    MinTokens,
+    Penalty,
+    RepetitionPenalty,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopP,
+)
 
 T = TypeVar("T")
-# Sampling seeds and token counts travel to torch as int64.
-Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 def decode_body(body: Any, type_: type[T]) -> T:
@@ -97,15 +108,18 @@ Priority = Annotated[int, Meta(ge=-1_000_000, le=1_000_000)]
 
 class _Sampling(msgspec.Struct, kw_only=True):
     """What /v1/completions and /v1/chat/completions share; fields not listed here are ignored, as OpenAI
-    does. Refused unless neutral (400 naming the field): best_of other than n, suffix. ``n`` is at most the
-    engine's running slots; ``logprobs`` and ``top_logprobs`` at most 20."""
+    does. The ranges are ``GenerateRequest``'s (``zserve.generation``, declared once), top_k's but for -1 (vLLM's
+    "off"). Refused unless neutral (400 naming the field): best_of other than n, suffix. ``n`` is at most the
+    engine's running slots; ``logprobs`` and ``top_logprobs`` at most 20. ``openai_params.generate_requests``
+    turns a body into its ``GenerateRequest``s."""
 
     model: str
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1)] | None = None
+    best_of: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -115,23 +129,22 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # structured output: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output must match
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # token id -> added to its logit
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    logit_bias: LogitBias | None = None  # token id -> added to its logit
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # vLLM's extensions
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    min_tokens: MinTokens | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0 = off
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None  # HF's, over prompt and output; 1 = off
+    stop_token_ids: list[TokenId] | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # HF's, over prompt and output; 1 = off
     priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str]
     echo: bool | None = None
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -163,7 +176,7 @@ class ChatMessageIn(msgspec.Struct):
     name: str | None = None
 
 
-class FunctionDefinition(msgspec.Struct):
+class FunctionDefinition(msgspec.Struct, omit_defaults=True):  # a field not given stays out of the template
     name: str  # 1-64 of a-z, A-Z, 0-9, _ and -
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
@@ -315,29 +328,34 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
 
 class MiiRequest(msgspec.Struct, kw_only=True):
     """``POST /mii/{deployment}``: the prompts, MII's options, and the native generate body's sampling
-    options (as in ``GenerateRequest``; any other field is refused by it, naming the field)."""
+    options (``GenerateRequest``'s, with its ranges; any other field is refused, naming it)."""
 
     prompts: str | list[str]
     do_sample: bool | None = None  # MII's default: true, with top_p 0.9
     stream: bool | None = None  # ignored: MII's REST answer is never streamed
     return_full_text: bool | None = None  # ignored
-    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_length: Annotated[int, Meta(ge=1)] | None = None  # prompt + generated; default 1024
-    min_new_tokens: Annotated[int, Meta(ge=0)] | None = None
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
+    max_new_tokens: TokenCount | None = None
+    max_length: TokenCount | None = None  # prompt + generated; default 1024
+    min_new_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    priority: Priority | None = None  # vLLM's: lower is more urgent; None = the API key's default (0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
+    json_object: bool | None = None
+    json_schema: str | None = None
 
 
 # OpenAI embeddings.
-
-
-TokenId = Annotated[int, Meta(ge=0)]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):

@@ -1,8 +1,10 @@
 """Generation over HTTP: OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` (with
 ``stream: true`` as Server-Sent Events) and DeepSpeed-MII's ``/mii/{deployment}``.
 
-Each route translates its body into a ``GenerateRequest`` (``zserve.generation``), validated here, in the
-frontend, so a bad field is a 400 before anything reaches the broker; the engine does the rest. Errors on
+Each route decodes its body once into its typed Struct (``zserve.frontends.api_types``, the ranges
+``GenerateRequest``'s) and maps that into ``GenerateRequest``s (``openai_params``, ``_mii_requests``), here, in the
+frontend, so a bad field is a 400 before anything reaches the broker; the requests travel as they are (msgpack) to
+the engine, which decodes them with their type. Errors on
 the OpenAI routes come in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -48,13 +50,12 @@ from zserve.frontends.limits import Limits
 from zserve.frontends.resources import (
     RequestError,
     answer_error,
-    decode_item,
     openai_error,
     priority_and_tenant,
     read_json,
     set_error,
 )
-from zserve.generation import GenerateResponse, TokenLogprob
+from zserve.generation import GenerateRequest, GenerateResponse, TokenLogprob
 from zserve.model import Model
 
 _json = msgspec.json.Encoder()
@@ -141,32 +142,31 @@ class _OpenAIRoute(_GenerateRoute):
     object_name = ""  # "text_completion" | "chat.completion"
     chunk_object_name = ""  # what a streamed event's "object" says
     id_prefix = ""
-    request_type: type = CompletionRequest  # checks the JSON types of the fields (and /openapi.json shows it)
+    request_type: type = CompletionRequest  # the body's Struct: its fields' types and ranges (and /openapi.json's)
     answer_type: type = Completion
     chunk_type: type = Completion  # a streamed event's data
 
-    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
+    def _requests(self, model: Model, body: Any) -> list[GenerateRequest]:
         raise NotImplementedError
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         async def work(named: list[str]) -> None:
-            body = await read_json(req, self.max_body_bytes)
-            decode_body(body, self.request_type)
-            name = body.get("model")
+            body = decode_body(await read_json(req, self.max_body_bytes), self.request_type)
+            name = body.model
             model = self._model(name)
             named.append(name)
             self._check_limits(name, body)
             prompts = self._requests(model, body)
-            items = openai_params.choices(prompts, body.get("n") or 1)
+            items = openai_params.choices(prompts, body.n or 1)
             meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
             n = len(items) // len(prompts)
             states = self._states(model, body, prompts, n)
-            priority, tenant = priority_and_tenant(req, body.get("priority"))
+            priority, tenant = priority_and_tenant(req, body.priority)
             try:
-                if body.get("stream"):
+                if body.stream:
                     if len(prompts) != 1:
                         raise BadRequest("streaming takes one prompt per request", field="prompt")
-                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    usage = bool(body.stream_options and body.stream_options.include_usage)
                     streams = [
                         self.client.generate_stream(item, model=name, decoded=True, priority=priority, tenant=tenant)
                         for item in items
@@ -188,29 +188,30 @@ class _OpenAIRoute(_GenerateRoute):
 
         await self._answer(resp, openai_error, work)
 
-    def _refused(self, body: dict[str, Any], exc: BadRequest) -> BadRequest:
+    def _refused(self, body: Any, exc: BadRequest) -> BadRequest:
         """The engine's refusal as the client should read it (chat: a tool schema it cannot compile)."""
         return exc
 
-    def _check_limits(self, name: str, body: dict[str, Any]) -> None:
-        """``[limits]`` on a body whose JSON types ``decode_body`` checked, before any prompt is decoded."""
+    def _check_limits(self, name: str, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """``[limits]`` on a decoded body, before any prompt is tokenised or schema checked."""
         limits = self.limits
-        prompt = body.get("prompt")
+        prompt = getattr(body, "prompt", None)
         prompts = len(prompt) if isinstance(prompt, list) else 1
-        n = body.get("n") or 1
+        n = body.n or 1
         what = f"sequences ({prompts} prompts x n={n})"
         limits.check_inputs(name, prompts * n, "prompt" if prompts > 1 else "n", what)
-        limits.check_stop(body.get("stop"))
-        limits.check_logit_bias(body.get("logit_bias"))
-        limits.check_tools(body.get("tools"))
-        fmt = body.get("response_format")
+        limits.check_stop(body.stop)
+        limits.check_logit_bias(body.logit_bias)
+        tools = getattr(body, "tools", None)
+        limits.check_tools(None if tools is None else msgspec.to_builtins(tools))
+        fmt = body.response_format
         spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
         if isinstance(spec, dict) and spec.get("schema") is not None:
             limits.check_schema(spec["schema"], "response_format")
-        if body.get("guided_json") is not None:
-            limits.check_schema(body["guided_json"], "guided_json")
+        if body.guided_json is not None:
+            limits.check_schema(body.guided_json, "guided_json")
 
-    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
+    def _states(self, model: Model, body: Any, prompts: list[GenerateRequest], n: int) -> list[_ChoiceState]:
         """Each choice's state (completions' ``echo``: its prompt as prefix)."""
         return [_ChoiceState(announce=n > 1) for _ in range(len(prompts) * n)]
 
@@ -317,24 +318,13 @@ class CompletionsResource(_OpenAIRoute):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        prompt = body.get("prompt")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise BadRequest("`prompt` must be a string or a list of strings", field="prompt")
-        sampling = openai_params.sampling_options(
-            body, 16, openai_params.max_running(model)
-        )  # 16: OpenAI's default for completions
-        logprobs = body.get("logprobs")
-        if logprobs is not None and logprobs is not False:
-            sampling["logprobs"] = openai_params.logprobs_count(logprobs, "logprobs")
-            if body.get("echo"):  # the prompt's tokens are reported too, as OpenAI's legacy API did
-                sampling["prompt_logprobs"] = sampling["logprobs"]
-        return [decode_item(model, {"prompt": p, **sampling}) for p in prompts]
+    def _requests(self, model: Model, body: CompletionRequest) -> list[GenerateRequest]:
+        return openai_params.completion_requests(body, openai_params.max_running(model))
 
-    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
-        echo = bool(body.get("echo"))
-        return [_ChoiceState(prefix=p["prompt"] if echo else "", announce=n > 1, whole_logprobs=echo)
+    def _states(self, model: Model, body: CompletionRequest, prompts: list[GenerateRequest],
+                n: int) -> list[_ChoiceState]:  # fmt: skip
+        echo = bool(body.echo)
+        return [_ChoiceState(prefix=p.prompt or "" if echo else "", announce=n > 1, whole_logprobs=echo)
                 for p in prompts for _ in range(n)]  # fmt: skip
 
     def _choice(self, index: int, response: GenerateResponse, state: _ChoiceState) -> CompletionChoice:
@@ -365,45 +355,27 @@ class ChatCompletionsResource(_OpenAIRoute):
         # each model's tool-call parser for tool_choice auto, once (``auto`` reads its chat template's file)
         self.tool_parsers = {name: openai_params.tool_parser(model) for name, model in self.models.items()}
 
-    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        sampling = openai_params.sampling_options(
-            body, None, openai_params.max_running(model)
-        )  # None: the model's default
-        top = body.get("top_logprobs")
-        if body.get("logprobs"):
-            sampling["logprobs"] = openai_params.logprobs_count(top or 0, "top_logprobs")
-        elif top:
-            raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
-        messages = openai_params.chat_messages(body.get("messages"))
-        tools = openai_params.tooling(body)
-        if tools is not None:
-            functions, choice, parallel = tools
-            schema = tool_calls.forced_schema(choice, functions, parallel)
-            if schema is not None:
-                if "json_schema" in sampling or "json_object" in sampling:
-                    raise BadRequest("a forced tool_choice (required or a function) with response_format",
-                                     field="tool_choice")  # fmt: skip
-                sampling["json_schema"] = _json.encode(schema).decode()
-            sampling["tools"] = body["tools"]
-        return [decode_item(model, {"messages": messages, **sampling})]
+    def _requests(self, model: Model, body: ChatCompletionRequest) -> list[GenerateRequest]:
+        return [openai_params.chat_request(body, openai_params.max_running(model))]
 
-    def _refused(self, body: dict[str, Any], exc: BadRequest) -> BadRequest:
-        forced = body.get("tool_choice") not in (None, "none", "auto")
+    def _refused(self, body: ChatCompletionRequest, exc: BadRequest) -> BadRequest:
+        forced = body.tool_choice not in (None, "none", "auto")
         if forced and exc.field == "response_format":  # the grammar came from the tools' schemas
             return BadRequest(exc.message, field="tools")
         return exc
 
-    def _states(self, model: Model, body: dict[str, Any], prompts: list[dict[str, Any]], n: int) -> list[_ChoiceState]:
+    def _states(self, model: Model, body: ChatCompletionRequest, prompts: list[GenerateRequest],
+                n: int) -> list[_ChoiceState]:  # fmt: skip
         tools = openai_params.tooling(body)
         if tools is None:
             return super()._states(model, body, prompts, n)
-        _, choice, parallel = tools
+        _, choice, parallel, _ = tools
         if choice == "none":
             return super()._states(model, body, prompts, n)
         if isinstance(choice, tool_calls.Function):
             mode, name = "named", choice.name
         else:
-            mode, name = ("required" if choice == "required" else self.tool_parsers[body["model"]]), ""
+            mode, name = ("required" if choice == "required" else self.tool_parsers[body.model]), ""
         return [_ChoiceState(tools=tool_calls.ToolCallStream(mode, name=name, parallel=parallel), announce=n > 1)
                 for _ in range(len(prompts) * n)]  # fmt: skip
 
@@ -469,37 +441,43 @@ class MiiResource(_GenerateRoute):
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, deployment: str) -> None:
         async def work(named: list[str]) -> None:
-            model = self._model(deployment)
+            self._model(deployment)
             named.append(deployment)
-            body = await read_json(req, self.max_body_bytes)
-            decode_body(body, MiiRequest)
-            prompts = body.get("prompts")
+            raw = await read_json(req, self.max_body_bytes)
+            body = decode_body(raw, MiiRequest)
+            unknown = next((key for key in raw if key not in MiiRequest.__struct_fields__), None)
+            if unknown is not None:  # after the decode: a body without `prompts` is told so first
+                raise BadRequest(f"Object contains unknown field `{unknown}`", field=unknown)
+            prompts = body.prompts
             self.limits.check_inputs(deployment, len(prompts) if isinstance(prompts, list) else 1, "prompts", "prompts")
-            self.limits.check_stop(body.get("stop"))
-            items = self._requests(model, body)
-            priority, tenant = priority_and_tenant(req, body.get("priority"))
+            self.limits.check_stop(body.stop)
+            items = _mii_requests(body)
+            priority, tenant = priority_and_tenant(req, body.priority)
             responses = await gather_or_cancel([self._run(deployment, item, priority, tenant) for item in items])
             resp.data = _json.encode(responses)
             resp.content_type = falcon.MEDIA_JSON
 
         await self._answer(resp, set_error, work)
 
-    def _requests(self, model: Model, body: dict[str, Any]) -> list[Any]:
-        body = {key: value for key, value in body.items() if value is not None}  # null: the default
-        prompts = body.pop("prompts", None)
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise BadRequest("`prompts` must be a string or a list of strings", field="prompts")
-        body.pop("stream", None)
-        body.pop("return_full_text", None)
-        body.pop("priority", None)  # the request's place in the queue, not a sampling option
-        if body.pop("do_sample", True):
-            body.setdefault("temperature", 1.0)
-            body.setdefault("top_p", 0.9)
-        else:
-            body["temperature"] = 0.0
-        if "max_new_tokens" not in body:
-            body.setdefault("max_length", 1024)
-        if isinstance(body.get("stop"), str):
-            body["stop"] = [body["stop"]]
-        return [decode_item(model, {"prompt": p, **body}) for p in prompts]
+
+# MiiRequest's fields that are GenerateRequest's too, passed as they are when given
+_MII_SAMPLING = tuple(f for f in MiiRequest.__struct_fields__ if f in GenerateRequest.__struct_fields__)
+
+
+def _mii_requests(body: MiiRequest) -> list[GenerateRequest]:
+    """One ``GenerateRequest`` per prompt, with MII's defaults: sampling (temperature 1, top_p 0.9) unless
+    ``do_sample`` is false (greedy), ``max_length`` 1024 unless ``max_new_tokens``; null is the default."""
+    prompts = [body.prompts] if isinstance(body.prompts, str) else body.prompts
+    if not prompts:
+        raise BadRequest("`prompts` must be a string or a list of strings", field="prompts")
+    sampling: dict[str, Any] = {f: v for f in _MII_SAMPLING if (v := getattr(body, f)) is not None}
+    if body.do_sample is not False:
+        sampling.setdefault("temperature", 1.0)
+        sampling.setdefault("top_p", 0.9)
+    else:
+        sampling["temperature"] = 0.0
+    if body.max_new_tokens is None:
+        sampling.setdefault("max_length", 1024)
+    if isinstance(body.stop, str):
+        sampling["stop"] = [body.stop]
+    return [GenerateRequest(prompt=p, **sampling) for p in prompts]

@@ -1,7 +1,8 @@
-"""OpenAI request bodies to what the engine takes: the sampling options of ``/v1/completions`` and
-``/v1/chat/completions`` checked and translated into ``GenerateRequest`` fields, structured output, the chat
-history and tools. Pure functions: a bad field raises ``BadRequest`` naming it (the routes answer 400 in
-OpenAI's shape), before anything reaches the broker."""
+"""OpenAI request bodies to what the engine takes: a typed ``/v1/completions`` or ``/v1/chat/completions`` body
+(``zserve.frontends.api_types``, decoded once with its ranges) mapped into ``GenerateRequest``s (vLLM's
+``to_sampling_params``), with structured output, the chat history and tools checked. Pure functions: a bad
+field raises ``BadRequest`` naming it (the routes answer 400 in OpenAI's shape), before anything reaches the
+broker."""
 
 from __future__ import annotations
 
@@ -11,55 +12,88 @@ import msgspec
 
 from zserve.errors import BadRequest
 from zserve.frontends import tool_calls
+from zserve.frontends.api_types import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from zserve.generation import MAX_LOGPROBS, ChatMessage, GenerateRequest
 from zserve.generator.options import default_max_running
 from zserve.generator.schema_check import unenforceable
 from zserve.model import Model
 
 _json = msgspec.json.Encoder()
 
-# OpenAI fields that would change the output and that we do not implement: refused, never ignored.
-_UNSUPPORTED = {"suffix": None}
-_MAX_LOGPROBS = 20  # as vLLM's default max_logprobs (OpenAI's own limits: 20 for chat, 5 for completions)
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions (chat: the model's own)
+
+# (GenerateRequest's name, the OpenAI body's) of the fields that pass as they are when given
+_SAME = (("top_p", "top_p"), ("seed", "seed"), ("ignore_eos", "ignore_eos"), ("min_new_tokens", "min_tokens"),
+         ("stop_token_ids", "stop_token_ids"), ("presence_penalty", "presence_penalty"),
+         ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"),
+         ("logit_bias", "logit_bias"))  # fmt: skip
 
 
-def sampling_options(body: dict[str, Any], default_max_tokens: int | None, max_n: int) -> dict[str, Any]:
-    """The GenerateRequest fields (less prompt/messages) for an OpenAI body, with vLLM's extensions
-    (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``, ``repetition_penalty``)."""
-    for name, neutral in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral:
-            raise BadRequest(f"`{name}` is not supported by this server", field=name)
-    n = body.get("n") or 1
+def completion_requests(body: CompletionRequest, max_n: int) -> list[GenerateRequest]:
+    """One ``GenerateRequest`` per prompt of a completions body (its ``n`` choices: ``choices``)."""
+    if body.suffix is not None:
+        raise BadRequest("`suffix` is not supported by this server", field="suffix")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise BadRequest("`prompt` must be a string or a list of strings", field="prompt")
+    sampling = _sampling(body, COMPLETIONS_MAX_TOKENS, max_n)
+    if body.logprobs is not None and body.logprobs is not False:
+        sampling["logprobs"] = logprobs_count(body.logprobs, "logprobs")
+        if body.echo:  # the prompt's tokens are reported too, as OpenAI's legacy API did
+            sampling["prompt_logprobs"] = sampling["logprobs"]
+    return [GenerateRequest(prompt=p, **sampling) for p in prompts]
+
+
+def chat_request(body: ChatCompletionRequest, max_n: int) -> GenerateRequest:
+    """The ``GenerateRequest`` of a chat body: its history, its tools (a forced ``tool_choice`` as the grammar's
+    schema), its sampling options."""
+    sampling = _sampling(body, None, max_n)  # None: the model's default
+    if body.logprobs:
+        sampling["logprobs"] = logprobs_count(body.top_logprobs or 0, "top_logprobs")
+    elif body.top_logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", field="top_logprobs")
+    messages = chat_messages(body.messages)
+    tools = tooling(body)
+    if tools is not None:
+        functions, choice, parallel, definitions = tools
+        schema = tool_calls.forced_schema(choice, functions, parallel)
+        if schema is not None:
+            if "json_schema" in sampling or "json_object" in sampling:
+                raise BadRequest("a forced tool_choice (required or a function) with response_format",
+                                 field="tool_choice")  # fmt: skip
+            sampling["json_schema"] = _json.encode(schema).decode()
+        sampling["tools"] = definitions
+    return GenerateRequest(messages=messages, **sampling)
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None,
+              max_n: int) -> dict[str, Any]:  # fmt: skip
+    """The GenerateRequest fields (less prompt/messages) of an OpenAI body, with vLLM's extensions (``ignore_eos``,
+    ``min_tokens``, ``top_k``, ``stop_token_ids``, ``repetition_penalty``). The body's decode checked the ranges
+    (GenerateRequest's own); what is left is what a range cannot say."""
+    n = body.n or 1
     if n > max_n:
         raise BadRequest(f"n={n} is more than this model's engine runs at once ({max_n})", field="n")
-    if body.get("best_of") not in (None, n):
+    if body.best_of not in (None, n):
         raise BadRequest("best_of is only supported equal to n", field="best_of")
-    sampling: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    sampling: dict[str, Any] = {ours: getattr(body, theirs) for ours, theirs in _SAME
+                                if getattr(body, theirs) is not None}  # fmt: skip
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
-    temperature = body.get("temperature")
-    sampling["temperature"] = 1.0 if temperature is None else temperature  # OpenAI's default is 1, not greedy
-    for ours, theirs in (("top_p", "top_p"), ("seed", "seed"), ("ignore_eos", "ignore_eos"),
-                         ("min_new_tokens", "min_tokens"), ("stop_token_ids", "stop_token_ids"),
-                         ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                         ("repetition_penalty", "repetition_penalty"), ("logit_bias", "logit_bias")):  # fmt: skip
-        if body.get(theirs) is not None:
-            sampling[ours] = body[theirs]
-    top_k = body.get("top_k")
-    if top_k is not None:
-        sampling["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
-    stop = body.get("stop")
-    if stop is not None:
-        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+    sampling["temperature"] = 1.0 if body.temperature is None else body.temperature  # OpenAI's default is 1
+    if body.top_k is not None:
+        sampling["top_k"] = 0 if body.top_k == -1 else body.top_k  # vLLM spells "off" as -1
+    if body.stop is not None:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     sampling.update(structured(body))
     return sampling
 
 
-def structured(body: dict[str, Any]) -> dict[str, Any]:
+def structured(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """``response_format`` (text, json_object, json_schema) or vLLM's ``guided_json`` as GenerateRequest's
     ``json_object`` / ``json_schema`` (the schema as JSON text, compiled by the engine)."""
-    guided = body.get("guided_json")
+    guided = body.guided_json
     if guided is not None:
         if isinstance(guided, str):
             try:
@@ -69,16 +103,17 @@ def structured(body: dict[str, Any]) -> dict[str, Any]:
             return {"json_schema": guided}
         _enforceable(guided, "guided_json")
         return {"json_schema": _json.encode(guided).decode()}
-    fmt = body.get("response_format")
+    fmt = body.response_format
     if fmt is None:
         return {}
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    kind = fmt.get("type")
     if kind == "text":
         return {}
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise BadRequest("response_format json_schema needs json_schema.schema, an object", field="response_format")
         _enforceable(schema, "response_format")
@@ -94,42 +129,35 @@ def _enforceable(schema: Any, field: str) -> None:
 
 
 def logprobs_count(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS:
-        raise BadRequest(f"`{field}` must be an integer from 0 to {_MAX_LOGPROBS}", field=field)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"`{field}` must be an integer from 0 to {MAX_LOGPROBS}", field=field)
     return value
 
 
-def choices(items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+def choices(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
     """Each prompt's ``n`` choices, each its own sequence (they share the prompt's KV blocks through the
     prefix cache once computed); a seed gives choice j the seed + j, so every choice is reproducible."""
     if n == 1:
-        return items
+        return requests
     out = []
-    for item in items:
-        seed = item.get("seed")
-        out += [item if seed is None else {**item, "seed": seed + j} for j in range(n)]
+    for r in requests:
+        out += [r if r.seed is None else msgspec.structs.replace(r, seed=r.seed + j) for j in range(n)]
     return out
 
 
-def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI messages (content as a string, or a list of text parts) as {role, content} (with an
-    assistant's ``tool_calls``, a tool message's ``tool_call_id``, a ``name``, when given)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("`messages` must be a non-empty list of {role, content}", field="messages")
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """OpenAI messages (content as a string, or text parts) as the chat template takes them: {role, content},
+    with an assistant's ``tool_calls`` (arguments as JSON values), a tool message's ``tool_call_id``, a
+    ``name``, when given."""
     out = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest("each message needs a `role` and a `content`", field="messages")
-        content = m.get("content") or ""
-        if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise BadRequest("only text content parts are supported", field="messages")
-            content = "".join(p.get("text", "") for p in content)
+        content = m.content or ""
         if not isinstance(content, str):
-            raise BadRequest("message content must be a string or text parts", field="messages")
-        out.append({"role": m["role"], "content": content,
-                    **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}})  # fmt: skip
-    return tool_calls.check_history(out)
+            content = "".join(p.text for p in content)
+        out.append({"role": m.role, "content": content,
+                    **{k: msgspec.to_builtins(v) for k in ("tool_calls", "tool_call_id", "name")
+                       if (v := getattr(m, k)) is not None}})  # fmt: skip
+    return [ChatMessage(**m) for m in tool_calls.check_history(out)]
 
 
 def max_running(model: Model) -> int:
@@ -137,20 +165,24 @@ def max_running(model: Model) -> int:
     return int(model.options.get("max_running", default_max_running()))
 
 
-def tooling(body: dict[str, Any]) -> tuple[list[tool_calls.Function], str | tool_calls.Function, bool] | None:
-    """A chat body's tools, its tool_choice and parallel_tool_calls, checked; None without tools."""
-    tools = body.get("tools")
-    if tools is None:
-        tool_calls.check_tool_choice(body.get("tool_choice"), [])  # a choice other than none needs tools
+def tooling(
+    body: ChatCompletionRequest,
+) -> tuple[list[tool_calls.Function], str | tool_calls.Function, bool, list[dict[str, Any]]] | None:
+    """A chat body's tools (checked), its tool_choice and parallel_tool_calls, and the tools as the chat template
+    takes them; None without tools."""
+    choice = None if body.tool_choice is None else msgspec.to_builtins(body.tool_choice)
+    if body.tools is None:
+        tool_calls.check_tool_choice(choice, [])  # a choice other than none needs tools
         return None
-    functions = tool_calls.check_tools(tools)
-    choice = tool_calls.check_tool_choice(body.get("tool_choice"), functions)
+    definitions = msgspec.to_builtins(body.tools)
+    functions = tool_calls.check_tools(definitions)
+    choice = tool_calls.check_tool_choice(choice, functions)
     forced = [choice] if isinstance(choice, tool_calls.Function) else functions if choice == "required" else []
     for f in forced:  # the grammar will enforce these schemas: each must be one it can
         why = unenforceable(f.parameters)
         if why is not None:
             raise BadRequest(f"tool {f.name!r}: its parameters cannot be enforced: {why}", field="tools")
-    return functions, choice, body.get("parallel_tool_calls") is not False
+    return functions, choice, body.parallel_tool_calls is not False, definitions
 
 
 def tool_parser(model: Model) -> str:

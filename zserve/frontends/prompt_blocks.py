@@ -28,20 +28,24 @@ import msgspec
 
 from zserve.batching.prefix_hash import shareable_hashes
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
-from zserve.generation import tokenizer_fingerprint
+from zserve.generation import GenerateRequest, tokenizer_fingerprint
+from zserve.generator.options import GeneratorOptions
 
 log = logging.getLogger("zserve.frontend")
 
 
 class PromptBlocks:
     """``blocks(item)``: the hashes of the shareable prompt blocks of a decoded generative request; the item
-    (a dict the client has not encoded yet) gains its ``prompt_token_ids`` and ``prompt_tokenizer``."""
+    (a ``GenerateRequest`` the client has not encoded yet) gains its ``prompt_token_ids`` and ``prompt_tokenizer``."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        self.path = str(options.get("path", ""))
-        self.gguf_file = str(options.get("gguf_file", ""))
-        self.block_size = int(options.get("block_size", 16))
-        self.enabled = bool(options.get("prefix_caching", True)) and bool(self.path)
+        """``options``: the model's ``[models.options]``; what is not given is ``GeneratorOptions``' default,
+        as the engine reads it."""
+        defaults = GeneratorOptions()
+        self.path = str(options.get("path", defaults.path))
+        self.gguf_file = str(options.get("gguf_file", defaults.gguf_file))
+        self.block_size = int(options.get("block_size", defaults.block_size))
+        self.enabled = bool(options.get("prefix_caching", defaults.prefix_caching)) and bool(self.path)
         self._tokenizer: Any = None
         self.fingerprint = ""  # set with the tokenizer; "" sends no ids (the engine tokenises)
 
@@ -52,7 +56,7 @@ class PromptBlocks:
         return self
 
     def __call__(self, item: Any) -> list[int]:
-        if self._tokenizer is None or not isinstance(item, dict):
+        if self._tokenizer is None or not isinstance(item, GenerateRequest):
             return []
         try:
             ids = self.prompt_ids(item)
@@ -60,25 +64,24 @@ class PromptBlocks:
             log.debug("no prompt blocks for routing: %r", exc)
             return []
         if self.fingerprint:
-            item["prompt_token_ids"] = ids
-            item["prompt_tokenizer"] = self.fingerprint
+            item.prompt_token_ids = ids
+            item.prompt_tokenizer = self.fingerprint
         return shareable_hashes(ids, self.block_size, MAX_ROUTE_BLOCKS)
 
-    def prompt_ids(self, item: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, item: GenerateRequest) -> list[int]:
         """Token ids as ``Generator.prepare`` makes them (the chat template for ``messages``)."""
         tokenizer = self._tokenizer or self._load()
         if tokenizer is None:
             raise RuntimeError("no tokenizer")
-        messages = item.get("messages")
-        if messages is not None:
+        if item.messages is not None:
             text = tokenizer.apply_chat_template(
-                [msgspec.to_builtins(m) for m in messages],
-                tools=item.get("tools"),
+                [msgspec.to_builtins(m) for m in item.messages],
+                tools=item.tools,
                 tokenize=False,
                 add_generation_prompt=True,
             )
             return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer(item["prompt"])["input_ids"]
+        return tokenizer(item.prompt)["input_ids"]
 
     def _load(self) -> Any:
         from transformers import AutoTokenizer

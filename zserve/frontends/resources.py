@@ -19,6 +19,7 @@ from zserve.errors import BadRequest, RateLimited, ZserveError
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
 from zserve.frontends.limits import Limits
+from zserve.generation import GenerateRequest
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -230,13 +231,13 @@ class PredictRoute:
         RequestError or BadRequest (400)."""
         body = raw if content_type.lower().startswith(RAW_CONTENT_TYPES) else decode_json(raw)
         item = decode_item(handler, body)
-        if handler.generative and isinstance(item, dict):  # a GenerateRequest's fields (the engine's names)
+        if isinstance(item, GenerateRequest):
             limits = self.limits
-            limits.check_stop(item.get("stop"))
-            limits.check_logit_bias(item.get("logit_bias"))
-            limits.check_tools(item.get("tools"))
-            if item.get("json_schema") is not None:
-                limits.check_schema(item["json_schema"], "json_schema")
+            limits.check_stop(item.stop)
+            limits.check_logit_bias(item.logit_bias)
+            limits.check_tools(item.tools)
+            if item.json_schema is not None:
+                limits.check_schema(item.json_schema, "json_schema")
         return item
 
     @staticmethod

@@ -26,6 +26,7 @@ from zserve.generator.attention import PagedKVCache, StepMeta, Uploader
 from zserve.generator.block_manager import BlockManager
 from zserve.generator.cuda_graphs import DecodeGraphs
 from zserve.generator.llama import LlamaFamily
+from zserve.generator.options import GeneratorOptions
 from zserve.generator.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from zserve.generator.sequence import SamplingParams, Sequence
 from zserve.generator.step_scheduler import StepScheduler, StepSpan
@@ -64,28 +65,35 @@ class StepStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+# The engine options' defaults (GeneratorOptions, their one definition) are a bare core's too.
+_OPTIONS = GeneratorOptions()
+
+
 class StepCore:
     def __init__(
         self,
         model,
         *,
         num_blocks: int = 256,
-        block_size: int = 16,
-        max_batched_tokens: int = 512,
-        max_running: int = 64,
-        chunked_prefill: bool = True,
-        prefix_caching: bool = True,
+        block_size: int = _OPTIONS.block_size,
+        max_batched_tokens: int = _OPTIONS.max_batched_tokens,
+        max_running: int = _OPTIONS.max_running,
+        chunked_prefill: bool = _OPTIONS.chunked_prefill,
+        prefix_caching: bool = _OPTIONS.prefix_caching,
         batched_decode: bool | None = None,
-        native_decode: bool = True,
+        native_decode: bool = _OPTIONS.cpu_attention == "native",
         tensor_parallel: TensorParallelGroup | None = None,
         cuda_graphs: bool = False,
         priority_aging_s: float = DEFAULT_AGING_S,
     ) -> None:
-        """``batched_decode``: decodes attend as one padded batch (None: on a GPU, not on a CPU, where one
-        call per sequence is faster). ``native_decode``: CPU decodes attend through the C kernel
-        (``native.py``) where it applies. ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step
-        is broadcast to the other ranks before it runs. ``cuda_graphs``: decode-only steps replay CUDA graphs
-        (``cuda_graphs.py``) where they apply: our model code, alone, attending through the Triton kernel.
+        """The options as ``GeneratorOptions`` names them (its defaults are these); ``num_blocks``: the KV pool
+        (``Generator`` sizes it from ``kv_cache_bytes``). ``batched_decode``: decodes attend as one padded batch
+        (None: on a GPU, not on a CPU, where one call per sequence is faster). ``native_decode``: CPU decodes
+        attend through the C kernel (``native.py``) where it applies (``cpu_attention = "native"``).
+        ``tensor_parallel``: ``model`` is rank 0's shard of a group; every step is broadcast to the other ranks
+        before it runs. ``cuda_graphs``: decode-only steps replay CUDA graphs (``cuda_graphs.py``) where they
+        apply: our model code, alone, attending through the Triton kernel; off unless asked (the engine passes
+        ``GeneratorOptions.cuda_graphs``; a throwaway core, such as the memory probe's warm-up step, stays eager).
         ``priority_aging_s``: how long a sequence waits to count as one priority level more urgent
         (``step_scheduler.py``)."""
         config = model.config

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from zserve.generation import GenerateResponse, parse_generate_request
+from zserve.generation import GenerateRequest, GenerateResponse, parse_generate_request
 from zserve.model import Model
 
 
@@ -50,8 +50,10 @@ class CausalLM(Model):
 
     # ---- request hooks (frontends, and the engine for direct clients) ----
 
-    def decode_request(self, body: Any) -> dict[str, Any]:
-        return msgspec.to_builtins(parse_generate_request(body))
+    def decode_request(self, body: Any) -> GenerateRequest:
+        """The body as a ``GenerateRequest``, which travels to the engine as it is (msgpack-encoded, decoded there
+        with ``type=GenerateRequest``)."""
+        return parse_generate_request(body)
 
     def encode_response(self, output: GenerateResponse | dict[str, Any]) -> dict[str, Any]:
         return output if isinstance(output, dict) else msgspec.to_builtins(output)

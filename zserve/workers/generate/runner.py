@@ -34,7 +34,13 @@ import zmq
 from zserve import payload
 from zserve.errors import ZserveError
 from zserve.frames import pack
-from zserve.generation import GenerateResponse, PromptLogprob, TokenLogprob, parse_generate_request
+from zserve.generation import (
+    GenerateResponse,
+    PromptLogprob,
+    TokenLogprob,
+    decode_generate_request,
+    parse_generate_request,
+)
 from zserve.generator.detokenize import TextStream
 from zserve.generator.generator import PreparedPrompt, generator_of
 from zserve.generator.grammar_compile import Ticket
@@ -158,12 +164,12 @@ class GenerationRunner:
         batch_id, decoded = batch.batch_id, batch.decoded[0]
         stream = bool(batch.stream and batch.stream[0])
         try:
-            body = payload.decode(frames)
-            # a decoded body is the deployment's own (a frontend's, with its prompt_token_ids); a raw one a client's
+            # a decoded request is the deployment's own GenerateRequest (a frontend's, with its prompt_token_ids),
+            # decoded once with its type; a raw body is a client's, for the model's decode_request
             if decoded:
-                request = parse_generate_request(body, token_ids=True)
+                request = decode_generate_request(_first_buffer(frames))
             else:
-                request = parse_generate_request(self.model.decode_request(body))
+                request = parse_generate_request(self.model.decode_request(payload.decode(frames)))
             prompt = self.generator.prepare(request)
         except Exception as exc:
             self.outbox.put(("fail", batch_id, Failure.from_exception(exc, Status.BAD_REQUEST, "prepare")))
@@ -390,6 +396,13 @@ class GenerationRunner:
             *_net_blocks(steps),
         )
         return [codec.encode(header), *pack([f for e in picked for f in e.frames])]
+
+
+def _first_buffer(frames: list[Any]) -> Any:
+    """A payload's first frame (msgpack of the body) as a buffer, without a copy."""
+    if not frames:
+        raise payload.PayloadError("empty payload")
+    return frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
 
 
 def _net_blocks(steps: list[_StepReport]) -> tuple[list[int], list[int]]:
