@@ -4,9 +4,10 @@ layer whose tensors are of a type the kernels take becomes a ``QuantLinear`` of 
 rest is read as real tensors: norms, biases, F32/F16 tensors and any tensor of another type (dequantised, with a
 log line naming it and its type). The rotary frequencies are computed on the CPU, as transformers does.
 
-The weights are what transformers' GGUF loader makes of the file (``gguf_cache._convert``, then
-``gguf_quant.keep_quantized``), bit for bit: the same dequantisation (the ``gguf`` package's), the same q/k row
-order (``unpermute_rows``, "llama" files only), the same products stacked; so the engine's output is the same too.
+The weights are what transformers' GGUF loader makes of the file, with the blocks put in after (the former path:
+``gguf_cache._convert``, then ``keep_quantized``, kept as tests/support/gguf_reference.py), bit for bit: the same
+dequantisation (the ``gguf`` package's), the same q/k row order (``unpermute_rows``, "llama" files only), the
+same products stacked; so the engine's output is the same too.
 
 Tensors are read with plain reads, a tensor (or a slice of the embedding's rows) at a time, not through the
 reader's memory map, whose pages count in the process's RSS for as long as it is mapped.
