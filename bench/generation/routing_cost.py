@@ -5,9 +5,11 @@ simulated generative engines, each registered with a Hello snapshot of ``--block
 finishing each at once. Per request: admit (Submits), route and dispatch (tick), flush, the engine's final
 StepOutput with its cache deltas (its prompt's last 4 blocks stored; each engine is full, so it reports its 4
 least recently used evicted, as an engine's block manager does: never its shared prefix, which the requests
-that match it keep recent). Reported: broker
-CPU per request (median) with ``routing = "cache_aware"`` and with ``"least_loaded"`` (best of ``--repeat``, in
-this one process), the difference, and the index's size in entries and bytes (tracemalloc).
+that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack, as the broker's shell
+hands them over. Reported: broker CPU per request (thread time of the core's calls alone, median) with
+``routing = "cache_aware"`` and with ``"least_loaded"`` (best of ``--repeat``, interleaved in this one process),
+the difference, split into its two phases (admitting, routing and dispatching a request; the engine's step
+message with its deltas), and the index's size in entries and bytes (tracemalloc).
 
     .venv/bin/python -m bench.generation routing-cost                     # 64 engines
 """
@@ -21,6 +23,8 @@ import statistics
 import time
 import tracemalloc
 from collections import deque
+
+import msgspec
 
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
@@ -54,28 +58,31 @@ def build(
     return core, prefixes, cached
 
 
-def run(routing: str, args: argparse.Namespace) -> tuple[float, int]:
-    """Seconds of broker CPU per request (the median: robust to the preemptions of a shared machine), and the
-    index's entries."""
+def run(routing: str, args: argparse.Namespace) -> tuple[tuple[float, float, float], int]:
+    """Seconds of broker CPU per request (the median: robust to the preemptions of a shared machine) in all, for
+    the request (admit, route, dispatch) and for the engine's step (its deltas), and the index's entries."""
     rng = random.Random(args.seed)
     core, prefixes, held = build(routing, args, rng)
     prompts = []
     for _ in range(args.requests):
         shared = rng.randrange(args.prompt_blocks + 1)
         own = [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
-        prompts.append(rng.choice(prefixes)[:shared] + own)
+        prompts.append(_decoded(rng.choice(prefixes)[:shared] + own))
     # what the run set up (the index, the prompts) is old by the time a broker serves: kept out of the young
     # generations, so collections cost what a long-running broker's cost, not a scan of 20k fresh prompt lists
     gc.collect()
     gc.freeze()
     clock = time.thread_time  # CPU time: what the broker spends, not the waits for a core on a shared machine
-    spent = []
+    spent, routing_s, stepping_s = [], [], []
     for i, hashes in enumerate(prompts):
-        started = clock()
         now = i * 1e-4
-        core.on_client(b"c", Submits([Submit(i, "lm", block_hashes=hashes)], [1]), [b"{}"], now)
+        submits = Submits([Submit(i, "lm", block_hashes=hashes)], [1])
+        started = clock()
+        core.on_client(b"c", submits, [b"{}"], now)
         core.tick(now)
         _, work = core.flush()
+        routed = clock() - started
+        steps = []
         for send in work:  # the sequence finishes in one step; its engine stored its prompt's blocks
             header = send.header
             if hasattr(header, "item_ids"):
@@ -86,15 +93,26 @@ def run(routing: str, args: argparse.Namespace) -> tuple[float, int]:
                 evicted = [order.popleft() for _ in stored]
                 members.update(stored)
                 members.difference_update(evicted)
-                done = StepOutput(engine, [header.batch_id], [""], [1], [True], [Status.OK], [""], [1],
-                                  stored_blocks=stored, evicted_blocks=evicted)  # fmt: skip
-                core.on_out(done, [b"{}"], now)
+                steps.append(StepOutput(engine, [header.batch_id], [""], [1], [True], [Status.OK], [""], [1],
+                             stored_blocks=_decoded(stored), evicted_blocks=_decoded(evicted)))  # fmt: skip
+        started = clock()
+        for done in steps:
+            core.on_out(done, [b"{}"], now)
         core.flush()
-        spent.append(clock() - started)
+        stepped = clock() - started
+        spent.append(routed + stepped)
+        routing_s.append(routed)
+        stepping_s.append(stepped)
     gc.unfreeze()
-    per_request_s = statistics.median(spent)
+    medians = statistics.median(spent), statistics.median(routing_s), statistics.median(stepping_s)
     router = core.routes.routers.get("lm")
-    return per_request_s, len(router.index) if router else 0
+    return medians, len(router.index) if router else 0
+
+
+def _decoded(hashes: list[int]) -> list[int]:
+    """The hashes as the broker's shell hands them over: fresh ints decoded from a message, not the objects the
+    index holds as keys (where a lookup compares identity first, and would skip reading the key it finds)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(hashes))
 
 
 def index_bytes(args: argparse.Namespace) -> int:
@@ -116,16 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    best = {}
+    best: dict[str, list[float]] = {}
+    entries = 0
     for _ in range(args.repeat):
         for routing in ("least_loaded", "cache_aware"):
-            per, entries = run(routing, args)
-            best[routing] = min(best.get(routing, (per, entries)), (per, entries))
-    (plain, _), (routed, entries) = best["least_loaded"], best["cache_aware"]
+            medians, n = run(routing, args)
+            best[routing] = [min(a, b) for a, b in zip(best.get(routing, medians), medians, strict=True)]
+            entries = n or entries
+    plain, routed = best["least_loaded"], best["cache_aware"]
+    adds = [(r - p) * 1e6 for r, p in zip(routed, plain, strict=True)]
     print(f"{args.engines} engines x {args.blocks} blocks held, {args.prompt_blocks} prompt blocks per request, "
           f"best of {args.repeat} x {args.requests} requests")  # fmt: skip
-    print(f"broker CPU per request (median): least_loaded {plain * 1e6:.1f} us, cache_aware {routed * 1e6:.1f} us "
-          f"(+{(routed - plain) * 1e6:.1f} us for routing)")  # fmt: skip
+    print(f"broker CPU per request (median): least_loaded {plain[0] * 1e6:.1f} us, cache_aware {routed[0] * 1e6:.1f} "
+          f"us (+{adds[0]:.1f} us for routing; by phase: the request +{adds[1]:.1f} us "
+          f"({plain[1] * 1e6:.1f} -> {routed[1] * 1e6:.1f}), the step's deltas +{adds[2]:.1f} us "
+          f"({plain[2] * 1e6:.1f} -> {routed[2] * 1e6:.1f}))")  # fmt: skip
     size = index_bytes(args)
     print(f"index: {entries} entries; the broker with its registered engines and index: {size / 2**20:.1f} MiB "
           f"({size / max(entries, 1):.0f} bytes an entry, all of it counted against the index)")  # fmt: skip

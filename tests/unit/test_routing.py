@@ -3,6 +3,8 @@ generative sequences by the Hellos' snapshots and the StepOutputs' deltas, under
 
 from __future__ import annotations
 
+import random
+
 from zserve.batching.routing import (
     LEAST_LOADED,
     MATCH,
@@ -13,6 +15,7 @@ from zserve.batching.routing import (
     PrefixIndex,
     PrefixRouter,
 )
+from zserve.batching.workers import InFlightBatch, Worker
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
 from zserve.protocol import Batch, HealthQuery, Hello, StepOutput, Submit, Submits
@@ -64,7 +67,7 @@ def test_an_engines_log_stays_within_twice_its_bound_under_churn():
     index.reset(A, [], kv_blocks=MIN_ENTRIES)
     for start in range(0, 20 * MIN_ENTRIES, 8):  # stored and evicted, as a full engine reports them
         index.update(A, range(start, start + 8), range(start - MIN_ENTRIES, start - MIN_ENTRIES + 8))
-        assert len(index._logs[A]) <= 2 * MIN_ENTRIES
+        assert len(index._held[A].log) <= 2 * MIN_ENTRIES
     assert len(index) == MIN_ENTRIES
     index.update(A, [], [20 * MIN_ENTRIES - 1])
     index.update(A, [20 * MIN_ENTRIES - 1], [])  # evicted, then stored again: held once, counted once
@@ -265,3 +268,121 @@ def test_the_benchmarks_one_engine_hit_rate_counts_each_shared_block_once():
     b = GenRequest("", list(range(32)) + [99] * 8, 1)  # shares both with a
     c = GenRequest("", [7] * 40, 1)  # shares nothing
     assert ideal_hit_rate([a, b, c], 16) == 32 / 120
+
+
+# ---- the fast path against the policy as written (per engine, block by block) ----
+
+
+def _reference(router: PrefixRouter, hashes: list[int], candidates: list[Candidate]) -> tuple[bytes, str, int]:
+    """The policy spelled out: each candidate's leading blocks held (walked one by one) or computed (compared
+    with its last MAX_COMPARED prompts in flight, one by one), the most of them, then the fewest running."""
+
+    def leading(held) -> int:
+        n = 0
+        while n < len(hashes) and held(n):
+            n += 1
+        return n
+
+    def computing(engine: bytes) -> int:
+        prompts = router.inflight._first.get(hashes[0], {}).get(engine, [])[-InFlightPrompts.MAX_COMPARED :]
+        return max((leading(lambda i, p=p: i < len(p) and p[i] == hashes[i]) for p in prompts), default=0)
+
+    matched = {
+        c.engine: max(leading(lambda i, e=c.engine: router.index.holds(e, hashes[i])), computing(c.engine))
+        for c in candidates
+    }
+    least, best = candidates[0], candidates[0]
+    for c in candidates:
+        if matched[c.engine] > matched[best.engine] or (
+            matched[c.engine] == matched[best.engine] and c.running < best.running
+        ):
+            best = c
+    if not matched[best.engine]:
+        return least.engine, LEAST_LOADED, 0
+    if best.running > router.spill_ratio * least.running + router.spill_slack:
+        return least.engine, SPILL, matched[least.engine]
+    return best.engine, MATCH, matched[best.engine]
+
+
+def _random_router(rng: random.Random, engines: list[bytes]) -> tuple[PrefixRouter, list[list[int]]]:
+    """Engines holding prefixes of chains that share prefixes (as a cache holds them), some evicted from their
+    ends, and prompts in flight."""
+    router = PrefixRouter(spill_ratio=rng.choice([1.0, 1.5, 3.0]), spill_slack=rng.choice([0, 2]))
+    trunks = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    prompts = [t[: rng.randrange(1, len(t) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(4))]
+               for t in trunks for _ in range(4)]  # fmt: skip
+    for engine in engines:
+        router.index.reset(engine, [])
+        for p in rng.sample(prompts, rng.randrange(4)):
+            router.index.update(engine, p[: rng.randrange(len(p) + 1)], [])
+    for engine in rng.sample(engines, 2):  # a chain evicted from its end
+        p = rng.choice(prompts)
+        router.index.update(engine, [], reversed(p[rng.randrange(len(p)) :]))
+    for item_id in range(rng.randrange(6)):
+        router.inflight.add(item_id, rng.choice(engines), rng.choice(prompts))
+    return router, prompts
+
+
+def test_the_choice_is_the_policy_as_written_on_random_caches():
+    rng = random.Random(7)
+    engines = [bytes([97 + i]) for i in range(6)]
+    for _ in range(400):
+        router, prompts = _random_router(rng, engines)
+        running = {e: rng.randrange(5) for e in engines}
+        chosen = rng.sample(engines, rng.randrange(1, len(engines) + 1))
+        low = min(running[e] for e in chosen)
+        chosen.sort(key=lambda e: running[e] > low)  # the least loaded first, the others in any order
+        candidates = [Candidate(e, running[e]) for e in chosen]
+        hashes = rng.choice(prompts) + [rng.getrandbits(64) for _ in range(rng.randrange(3))]
+        assert tuple(router.choose(hashes, candidates)) == _reference(router, hashes, candidates)
+
+
+def test_route_takes_the_least_loaded_and_the_first_blocks_holders_with_credit():
+    rng = random.Random(11)
+    engines = [bytes([97 + i]) for i in range(6)]
+    for _ in range(300):
+        router, prompts = _random_router(rng, engines)
+        workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
+        for w in workers.values():
+            for batch_id in range(rng.randrange(3)):  # 2 credits: some engines have none left
+                w.in_flight[batch_id] = InFlightBatch(batch_id, "lm", [batch_id], w.worker_id, 0.0)
+        free = [w for w in workers.values() if w.free_credits > 0]
+        if not free:
+            continue
+        least = min(free, key=lambda w: len(w.in_flight))
+        hashes = rng.choice(prompts)
+        # the candidates as the broker gathered them before: the least loaded, then the engines holding the first
+        # block, then those computing it, each once and only with a free slot
+        candidates, seen = [Candidate(least.worker_id, len(least.in_flight))], {least.worker_id}
+        for e in (*router.index.holders(hashes[0]), *router.inflight.engines_at(hashes[0])):
+            if e not in seen and workers[e].free_credits > 0:
+                seen.add(e)
+                candidates.append(Candidate(e, len(workers[e].in_flight)))
+        assert router.route(hashes, least, workers) == _reference(router, hashes, candidates)
+    assert router.route([], least, workers) == (least.worker_id, LEAST_LOADED, 0)
+
+
+def test_longest_searches_every_engine_at_once():
+    index = PrefixIndex()
+    index.reset(A, [1, 2, 3, 4])
+    index.reset(B, [1, 2, 3, 4, 5])
+    index.reset(C, [1, 2])
+    a, b, c = index.bit(A), index.bit(B), index.bit(C)
+    assert index.longest([1, 2, 3, 4, 5, 6], a | b | c) == (5, b)
+    assert index.longest([1, 2, 3, 4, 5, 6], a | c) == (4, a)
+    index.reset(C, [1, 2, 3, 4])
+    assert index.longest([1, 2, 3, 4, 9], a | b | c) == (4, a | b | c)  # all three hold 4 blocks
+    assert index.longest([1, 2, 3, 4, 9], 0) == (0, 0) and index.longest([], a) == (0, 0)
+    assert index.longest([7, 1], a | b | c) == (0, 0)
+
+
+def test_a_freed_slot_goes_to_the_next_engine_with_nothing_of_the_last_ones():
+    index = PrefixIndex()
+    index.reset(A, [1, 2])
+    index.reset(B, [1, 3])
+    bit = index.bit(A)
+    index.drop(A)
+    assert index.bit(A) == 0 and index.holders(1) == [B] and index.mask(2) == 0  # gone at once, every entry
+    index.reset(C, [4])  # takes A's slot
+    assert index.bit(C) == bit and index.holders(1) == [B] and index.holders(4) == [C]
+    assert index.matches([1, 2], [A, B, C]) == {A: 0, B: 1, C: 0} and len(index) == 3

@@ -18,14 +18,18 @@ router do the same in their own units):
     ``spill_ratio`` x the least loaded engine's running sequences + ``spill_slack``: then the least loaded one
     gets it (``spill``), and caches the hot prefix too, so a hot prefix spreads instead of piling on one engine;
   * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
-The cost is a binary search over the prompt's blocks per engine holding its first block (see ``matches``), and
-nothing at all for a model with one engine.
+The cost: one probe of the index for a prompt whose first block no engine holds or computes; else one binary
+search over the prompt's blocks for all the engines holding its first block at once (``PrefixIndex.longest``).
+Nothing at all for a model with one engine. Measured with ``python -m bench.generation routing-cost``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from zserve.batching.workers import Worker
 
 MATCH, SPILL, LEAST_LOADED = "match", "spill", "least_loaded"
 REASONS = (MATCH, SPILL, LEAST_LOADED)
@@ -35,6 +39,20 @@ MIN_ENTRIES = 1024  # an engine's entries kept at least (its Hello may not say i
 MAX_ROUTE_BLOCKS = 256
 
 
+class _Held:
+    """One engine's part of the index: its bit in the masks, the log of the hashes it stored, how many it holds
+    and may hold. One object, so a delta finds all of it with one lookup."""
+
+    __slots__ = ("bit", "count", "limit", "log", "slot")
+
+    def __init__(self, slot: int, limit: int) -> None:
+        self.slot = slot
+        self.bit = 1 << slot  # this very object is the value of every hash only this engine holds (see update)
+        self.log: list[int] = []  # the hashes it stored, oldest first (some gone since)
+        self.count = 0
+        self.limit = limit
+
+
 class PrefixIndex:
     """Which engine's prefix cache holds which block hash. Engines are keyed by their worker id; each gets a slot,
     a bit of the mask kept per hash (an int: no container per hash for the garbage collector to walk, which made
@@ -42,16 +60,15 @@ class PrefixIndex:
 
     The mask is the only lookup structure: a delta or a match touches one dict, which matters because a broker
     with many engines has an index far bigger than the CPU's caches, and every probe costs a miss (a second,
-    per-engine dict of the same hashes made a delta cost twice as much). Per engine there is only a log of the
-    hashes it stored, in order, appended to and read when it is dropped or over its bound; it is compacted when
-    it grows past twice the engine's bound, so its memory stays within that."""
+    per-engine dict of the same hashes made a delta cost twice as much). A hash only one engine holds (most of
+    them) has that engine's own bit object as its value, one of at most 64 hot objects, so reading a mask costs
+    no miss of its own. Per engine there is only a log of the hashes it stored, in order, appended to and read
+    when it is dropped or over its bound; it is compacted when it grows past twice the engine's bound, so its
+    memory stays within that."""
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # hash -> mask of the slots of the engines holding it
-        self._logs: dict[bytes, list[int]] = {}  # engine -> the hashes it stored, oldest first (some gone since)
-        self._counts: dict[bytes, int] = {}  # engine -> hashes it holds
-        self._limits: dict[bytes, int] = {}
-        self._slots: dict[bytes, int] = {}
+        self._held: dict[bytes, _Held] = {}
         self._engines: list[bytes | None] = []  # slot -> engine
 
     def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
@@ -63,45 +80,42 @@ class PrefixIndex:
             self._engines.append(engine)
         else:
             self._engines[slot] = engine
-        self._slots[engine] = slot
-        self._logs[engine] = []
-        self._counts[engine] = 0
-        self._limits[engine] = max(kv_blocks, MIN_ENTRIES)
+        self._held[engine] = _Held(slot, max(kv_blocks, MIN_ENTRIES))
         self.update(engine, hashes, ())
 
     def update(self, engine: bytes, stored: Iterable[int], evicted: Iterable[int]) -> None:
         """Apply an engine's deltas (an unknown engine's are ignored: it must say Hello first). Every step
-        message of every engine comes through here: a hash costs two operations on one dict."""
-        slot = self._slots.get(engine)
-        if slot is None:
+        message of every engine comes through here: an evicted hash costs one operation on one dict (most are
+        held by one engine), a stored one two (a miss, then an insert into the slot just found)."""
+        held = self._held.get(engine)
+        if held is None:
             return
         holders = self._holders
-        bit = 1 << slot
-        n = self._counts[engine]
+        bit = held.bit
+        n = held.count
         for h in evicted:
-            mask = holders.get(h, 0)
+            mask = holders.pop(h, 0)
             if mask & bit:
                 n -= 1
-                if mask ^ bit:
+                if mask != bit:
                     holders[h] = mask ^ bit
-                else:
-                    del holders[h]
-        log = self._logs[engine]
+            elif mask:  # held by others only (an eviction this engine reported twice): put back
+                holders[h] = mask
+        log = held.log
         for h in stored:
             mask = holders.get(h, 0)
             if not mask & bit:
-                holders[h] = mask | bit
+                holders[h] = mask | bit if mask else bit
                 log.append(h)
                 n += 1
-        self._counts[engine] = n
-        limit = self._limits[engine]
-        if n > limit:  # more than its pool holds: deltas were lost; forget its oldest
-            self._trim(engine, bit, n - limit)
-        elif len(log) > 2 * limit:
-            self._logs[engine] = list(dict.fromkeys(h for h in log if holders.get(h, 0) & bit))
+        held.count = n
+        if n > held.limit:  # more than its pool holds: deltas were lost; forget its oldest
+            self._trim(held, n - held.limit)
+        elif len(log) > 2 * held.limit:
+            held.log = list(dict.fromkeys(h for h in log if holders.get(h, 0) & bit))
 
-    def _trim(self, engine: bytes, bit: int, over: int) -> None:
-        log, holders = self._logs[engine], self._holders
+    def _trim(self, held: _Held, over: int) -> None:
+        log, holders, bit = held.log, self._holders, held.bit
         i = 0
         while over > 0:
             h = log[i]
@@ -109,8 +123,8 @@ class PrefixIndex:
             mask = holders.get(h, 0)
             if mask & bit:
                 over -= 1
-                self._counts[engine] -= 1
-                if mask ^ bit:
+                held.count -= 1
+                if mask != bit:
                     holders[h] = mask ^ bit
                 else:
                     del holders[h]
@@ -118,25 +132,31 @@ class PrefixIndex:
 
     def drop(self, engine: bytes) -> None:
         """The engine is gone (lost, restarted, left): its entries go now."""
-        log = self._logs.pop(engine, None)
-        if log is None:
+        held = self._held.pop(engine, None)
+        if held is None:
             return
-        slot = self._slots.pop(engine)
-        del self._limits[engine], self._counts[engine]
-        bit = 1 << slot
+        bit = held.bit
         holders = self._holders
-        for h in log:
+        for h in held.log:
             mask = holders.get(h, 0)
             if mask & bit:
-                if mask ^ bit:
+                if mask != bit:
                     holders[h] = mask ^ bit
                 else:
                     del holders[h]
-        self._engines[slot] = None
+        self._engines[held.slot] = None
 
-    def holders(self, h: int) -> list[bytes]:
-        """The engines holding block ``h``."""
-        mask = self._holders.get(h, 0)
+    def bit(self, engine: bytes) -> int:
+        """The engine's bit in the masks (0 if it is not indexed)."""
+        held = self._held.get(engine)
+        return held.bit if held is not None else 0
+
+    def mask(self, h: int) -> int:
+        """The mask of the engines holding block ``h``."""
+        return self._holders.get(h, 0)
+
+    def engines_in(self, mask: int) -> list[bytes]:
+        """The engines whose bits are set in ``mask``, by slot."""
         out = []
         while mask:
             low = mask & -mask
@@ -144,49 +164,46 @@ class PrefixIndex:
             mask ^= low
         return out  # type: ignore[return-value]  # a set bit is a live slot
 
-    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
-        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds.
+    def holders(self, h: int) -> list[bytes]:
+        """The engines holding block ``h``."""
+        return self.engines_in(self._holders.get(h, 0))
+
+    def longest(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
+        """The most leading blocks of ``hashes`` that one engine of ``mask`` holds, and the mask of the engines
+        of ``mask`` holding that many: one binary search for all of them.
 
         An engine's cache holds a chain's blocks as a prefix: a block is shared only with its whole prefix, and
         the block manager frees a sequence's blocks last first, so its LRU evicts a chain from the end. So the
-        count is found by binary search over the chain: O(log n) lookups per engine holding the first block.
-        (Where that does not hold, after lost deltas made the index drop an engine's oldest entries, a count
-        may be off: a worse route, never a wrong answer.)"""
-        matched = dict.fromkeys(engines, 0)
+        engines holding block k are among those holding block k - 1, and the search narrows the mask as it goes
+        up: O(log n) lookups whatever the number of engines. (Where that does not hold, after lost deltas made
+        the index drop an engine's oldest entries, a count may be off: a worse route, never a wrong answer.)"""
+        if not hashes:
+            return 0, 0
         holders = self._holders
-        first = holders.get(hashes[0], 0) if hashes else 0
-        if not first:
-            return matched
-        slots = self._slots
+        at = holders.get(hashes[0], 0) & mask
         n = len(hashes)
-        last = holders.get(hashes[-1], 0)
-        for engine in matched:
-            slot = slots.get(engine)
-            if slot is None:
-                continue
-            bit = 1 << slot  # tested with & (one operation on a mask of up to 64 bits: no shifts of it)
-            if not first & bit:
-                continue
-            if last & bit:
-                matched[engine] = n
-                continue
-            lo, hi = 1, n  # hashes[lo - 1] is held, hashes[hi - 1] is not
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if holders.get(hashes[mid - 1], 0) & bit:
-                    lo = mid
-                else:
-                    hi = mid
-            matched[engine] = lo
-        return matched
+        if not at or n == 1:
+            return (1, at) if at else (0, 0)
+        lo, hi = 1, n + 1  # some engine of ``at`` holds hashes[lo - 1]; none of ``mask`` holds hashes[hi - 1]
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            found = holders.get(hashes[mid - 1], 0) & at
+            if found:
+                lo, at = mid, found
+            else:
+                hi = mid
+        return lo, at
+
+    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
+        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds (``longest`` for each)."""
+        return {e: self.longest(hashes, self.bit(e))[0] for e in engines}
 
     def __len__(self) -> int:
         """Entries (engine, hash) held: the memory bound is the engines' KV blocks (or MIN_ENTRIES each)."""
-        return sum(self._counts.values())
+        return sum(held.count for held in self._held.values())
 
     def holds(self, engine: bytes, h: int) -> bool:
-        slot = self._slots.get(engine)
-        return slot is not None and bool(self._holders.get(h, 0) >> slot & 1)
+        return bool(self._holders.get(h, 0) & self.bit(engine))
 
 
 class InFlightPrompts:
@@ -245,26 +262,34 @@ class InFlightPrompts:
         """The engines computing a prompt whose first block is ``h``."""
         return self._first.get(h, {}).keys()
 
+    def at(self, h: int) -> dict[bytes, list[Sequence[int]]] | None:
+        """Per engine, the prompts in flight there whose first block is ``h`` (None: none anywhere)."""
+        return self._first.get(h)
+
     def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
         """As ``PrefixIndex.matches``, over the prompts in flight."""
-        matched = dict.fromkeys(engines, 0)
         by_engine = self._first.get(hashes[0]) if hashes else None
         if not by_engine:
-            return matched
-        n = len(hashes)
-        for engine in matched:
-            prompts = by_engine.get(engine)
-            if prompts:
-                best = 0
-                for prompt in prompts[-self.MAX_COMPARED :]:
-                    best = max(best, _common(hashes, prompt))
-                    if best == n:
-                        break
-                matched[engine] = best
-        return matched
+            return dict.fromkeys(engines, 0)
+        return {e: _longest_common(hashes, by_engine.get(e)) for e in engines}
 
     def __len__(self) -> int:
         return len(self._routed)
+
+
+def _longest_common(hashes: Sequence[int], prompts: list[Sequence[int]] | None) -> int:
+    """The most leading blocks ``hashes`` has in common with one of the last ``MAX_COMPARED`` of ``prompts``
+    (chains under the same first block)."""
+    best = 0
+    if prompts:
+        n = len(hashes)
+        for prompt in prompts[-InFlightPrompts.MAX_COMPARED :]:
+            common = _common(hashes, prompt)
+            if common > best:
+                best = common
+                if best == n:
+                    break
+    return best
 
 
 def _common(hashes: Sequence[int], other: Sequence[int]) -> int:
@@ -283,16 +308,16 @@ def _common(hashes: Sequence[int], other: Sequence[int]) -> int:
     return lo
 
 
-@dataclass(slots=True)
-class Candidate:
-    """An engine that can take the request now: its worker id and its load (running sequences)."""
+class Candidate(NamedTuple):
+    """An engine that can take the request now: its worker id, its load (running sequences), and its bit in the
+    index's masks (0: look it up)."""
 
     engine: bytes
     running: int
+    bit: int = 0
 
 
-@dataclass(slots=True)
-class Decision:
+class Decision(NamedTuple):
     engine: bytes
     reason: str
     matched: int  # leading prompt blocks the chosen engine holds
@@ -317,38 +342,97 @@ class PrefixRouter:
         self.spill_ratio = spill_ratio
         self.spill_slack = spill_slack
         self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
+        self._by_worker: dict[bytes, EngineCounters] = {}  # worker id -> its counters (the hot path's lookup)
+
+    def route(self, hashes: Sequence[int], least: Worker, workers: Mapping[bytes, Worker]) -> tuple[bytes, str, int]:
+        """The engine of ``workers`` for a prompt whose blocks hash to ``hashes`` (``least``: the pool's least
+        loaded engine with credit), as ``choose`` picks it: the candidates are ``least`` and the engines with
+        credit that hold or compute the prompt's first block, so a request costs what they do, not what the
+        pool's size does. Returns (engine, reason, blocks it holds): no objects, the broker's hot path."""
+        if not hashes:
+            return least.worker_id, LEAST_LOADED, 0
+        first = hashes[0]
+        index = self.index
+        mask = index._holders.get(first, 0)
+        flying = self.inflight._first.get(first)
+        if not mask and not flying:  # held and computed nowhere: one probe is all a new prompt costs
+            return least.worker_id, LEAST_LOADED, 0
+        held_of = index._held
+        least_id = least.worker_id
+        held = held_of.get(least_id)
+        least_bit = held.bit if held is not None else 0
+        candidates = [(least_id, len(least.in_flight), least_bit)]
+        slots = index._engines
+        rest = mask & ~least_bit
+        while rest:  # the engines holding the first block, by slot
+            bit = rest & -rest
+            rest ^= bit
+            engine = slots[bit.bit_length() - 1]
+            w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
+            if w is not None and w.free_credits > 0:
+                candidates.append((engine, len(w.in_flight), bit))  # type: ignore[arg-type]
+        if flying:  # and those computing it without holding it (whose bits cannot score in the index)
+            for engine in flying:
+                if engine != least_id and not (engine in held_of and held_of[engine].bit & mask):
+                    w = workers.get(engine)
+                    if w is not None and w.free_credits > 0:
+                        candidates.append((engine, len(w.in_flight), 0))
+        return self._choose(hashes, candidates)
 
     def choose(self, hashes: Sequence[int], candidates: Sequence[Candidate]) -> Decision:
         """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, the least
         loaded first, as ``WorkerPool.best`` picks it; the others in any order)."""
+        if not hashes:
+            return Decision(candidates[0].engine, LEAST_LOADED, 0)
+        bit = self.index.bit
+        return Decision(*self._choose(hashes, [(c.engine, c.running, c.bit or bit(c.engine)) for c in candidates]))
+
+    def _choose(self, hashes: Sequence[int], candidates: list[tuple[bytes, int, int]]) -> tuple[bytes, str, int]:
+        """``choose`` over (engine, running, bit) rows. Each candidate scores the leading blocks it holds
+        (reported) or computes (in flight), whichever is more; the index is searched once for all of them
+        (``PrefixIndex.longest``)."""
         least = candidates[0]
-        if len(candidates) == 1 or not hashes:  # no choice to make: say whether it holds the prompt anyway
-            matched = self._matches(hashes, [least.engine])[least.engine]
-            return Decision(least.engine, MATCH if matched else LEAST_LOADED, matched)
-        matched = self._matches(hashes, [c.engine for c in candidates])
-        best = least
-        for c in candidates:  # the most blocks; among those, the fewest running sequences
-            m, b = matched[c.engine], matched[best.engine]
-            if m > b or (m == b and c.running < best.running):
+        mask = 0
+        for c in candidates:
+            mask |= c[2]
+        held, at = self.index.longest(hashes, mask)  # ``at``: the candidates holding ``held`` blocks
+        longest = held
+        computing: dict[bytes, int] = {}
+        flying = self.inflight._first.get(hashes[0])
+        if flying:
+            for c in candidates:
+                prompts = flying.get(c[0])
+                if prompts:
+                    n = computing[c[0]] = _longest_common(hashes, prompts)
+                    if n > longest:
+                        longest = n
+        if not longest:
+            return least[0], LEAST_LOADED, 0
+        if held < longest:
+            at = 0
+        best = None  # the most blocks; among those, the fewest running sequences (the first such)
+        for c in candidates:
+            if (c[2] & at or (computing and computing.get(c[0]) == longest)) and (best is None or c[1] < best[1]):
                 best = c
-        if matched[best.engine] == 0:
-            return Decision(least.engine, LEAST_LOADED, 0)
-        if best.running > self.spill_ratio * least.running + self.spill_slack:
-            return Decision(least.engine, SPILL, matched[least.engine])
-        return Decision(best.engine, MATCH, matched[best.engine])
+        assert best is not None  # some candidate scored ``longest``
+        if best is not least and best[1] > self.spill_ratio * least[1] + self.spill_slack:
+            matched = max(self.index.longest(hashes, least[2])[0], computing.get(least[0], 0))
+            return least[0], SPILL, matched
+        return best[0], MATCH, longest
 
-    def _matches(self, hashes: Sequence[int], engines: list[bytes]) -> dict[bytes, int]:
-        """Leading blocks held (reported) or being computed (in flight), per engine."""
-        matched = self.index.matches(hashes, engines)
-        for engine, n in self.inflight.matches(hashes, engines).items():
-            if n > matched[engine]:
-                matched[engine] = n
-        return matched
-
-    def count(self, engine_name: str, decision: Decision, requested: int) -> None:
-        counters = self.counters.get(engine_name)
+    def count(self, engine: bytes, name: str, reason: str, matched: int, requested: int) -> None:
+        """Count a decision for engine ``engine`` (worker id), named ``name`` (``name:pid``): counted by its name
+        without the pid, so its counters survive its restarts."""
+        counters = self._by_worker.get(engine)
         if counters is None:
-            counters = self.counters[engine_name] = EngineCounters()
+            key = name.rsplit(":", 1)[0]
+            counters = self._by_worker[engine] = self.counters.setdefault(key, EngineCounters())
         counters.requested += requested
-        counters.found += decision.matched
-        counters.decisions[decision.reason] += 1
+        counters.found += matched
+        counters.decisions[reason] += 1
+
+    def drop(self, engine: bytes) -> None:
+        """The engine is gone: its index entries and the prompts it was computing go now."""
+        self.index.drop(engine)
+        self.inflight.drop(engine)
+        self._by_worker.pop(engine, None)

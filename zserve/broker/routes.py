@@ -8,7 +8,7 @@ carries no block hashes or that has one engine with credit, takes ``WorkerPool.b
 
 from __future__ import annotations
 
-from zserve.batching.routing import LEAST_LOADED, MATCH, SPILL, Candidate, PrefixRouter
+from zserve.batching.routing import LEAST_LOADED, MATCH, SPILL, PrefixRouter
 from zserve.batching.workers import InFlightBatch, Worker, WorkerPool
 from zserve.broker.requests import RequestTable
 from zserve.protocol import EngineRouting, Hello, StepOutput
@@ -19,15 +19,12 @@ class Routes:
         self.routers = {m: PrefixRouter() for m in models}
         self.pool = pool
         self.requests = requests
-        self._names: dict[bytes, str] = {}  # worker id -> the name its counters go under (without the pid)
         pool.on_removed = self.drop
         pool.on_finished = self.finished
 
     def drop(self, worker_id: bytes) -> None:
-        self._names.pop(worker_id, None)
         for router in self.routers.values():
-            router.index.drop(worker_id)
-            router.inflight.drop(worker_id)
+            router.drop(worker_id)
 
     def finished(self, batch: InFlightBatch) -> None:
         router = self.routers.get(batch.model)
@@ -56,23 +53,11 @@ class Routes:
         router = self.routers[model]
         request = self.requests.by_id.get(item_id)
         hashes = request.block_hashes if request is not None else []
-        candidates = [Candidate(fallback.worker_id, len(fallback.in_flight))]
-        if hashes:  # the other engines that can score: those holding the first block, with a free slot
-            workers = self.pool.workers
-            seen = {fallback.worker_id}
-            for engine in (*router.index.holders(hashes[0]), *router.inflight.engines_at(hashes[0])):
-                w = workers.get(engine)
-                if w is not None and engine not in seen and w.free_credits > 0:
-                    seen.add(engine)
-                    candidates.append(Candidate(engine, len(w.in_flight)))
-        decision = router.choose(hashes, candidates)
+        engine, reason, matched = router.route(hashes, fallback, self.pool.workers)
         if hashes:
-            router.inflight.add(item_id, decision.engine, hashes)
-        chosen = self.pool.workers[decision.engine]
-        name = self._names.get(decision.engine)
-        if name is None:  # counted by its name without the pid (``name:pid``): its counters survive its restarts
-            name = self._names[decision.engine] = chosen.name.rsplit(":", 1)[0]
-        router.count(name, decision, len(hashes))
+            router.inflight.add(item_id, engine, hashes)
+        chosen = fallback if engine is fallback.worker_id else self.pool.workers[engine]
+        router.count(engine, chosen.name, reason, matched, len(hashes))
         return chosen
 
     def report(self, model: str) -> list[EngineRouting]:
