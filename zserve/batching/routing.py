@@ -333,6 +333,9 @@ class EngineCounters:
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
 
+_NOTHING_COMPUTED: dict[bytes, int] = {}  # never written: what no prompt in flight computes
+
+
 class PrefixRouter:
     """One generative model's router: the index of its engines' caches, the policy, and its counters."""
 
@@ -362,6 +365,7 @@ class PrefixRouter:
         held = held_of.get(least_id)
         least_bit = held.bit if held is not None else 0
         candidates = [(least_id, len(least.in_flight), least_bit)]
+        scored = least_bit  # the candidates' bits
         slots = index._engines
         rest = mask & ~least_bit
         while rest:  # the engines holding the first block, by slot
@@ -371,13 +375,14 @@ class PrefixRouter:
             w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
             if w is not None and w.free_credits > 0:
                 candidates.append((engine, len(w.in_flight), bit))  # type: ignore[arg-type]
+                scored |= bit
         if flying:  # and those computing it without holding it (whose bits cannot score in the index)
             for engine in flying:
                 if engine != least_id and not (engine in held_of and held_of[engine].bit & mask):
                     w = workers.get(engine)
                     if w is not None and w.free_credits > 0:
                         candidates.append((engine, len(w.in_flight), 0))
-        return self._choose(hashes, candidates)
+        return self._choose(hashes, candidates, scored, flying)
 
     def choose(self, hashes: Sequence[int], candidates: Sequence[Candidate]) -> Decision:
         """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, the least
@@ -385,21 +390,28 @@ class PrefixRouter:
         if not hashes:
             return Decision(candidates[0].engine, LEAST_LOADED, 0)
         bit = self.index.bit
-        return Decision(*self._choose(hashes, [(c.engine, c.running, c.bit or bit(c.engine)) for c in candidates]))
-
-    def _choose(self, hashes: Sequence[int], candidates: list[tuple[bytes, int, int]]) -> tuple[bytes, str, int]:
-        """``choose`` over (engine, running, bit) rows. Each candidate scores the leading blocks it holds
-        (reported) or computes (in flight), whichever is more; the index is searched once for all of them
-        (``PrefixIndex.longest``)."""
-        least = candidates[0]
+        rows = [(c.engine, c.running, c.bit or bit(c.engine)) for c in candidates]
         mask = 0
-        for c in candidates:
-            mask |= c[2]
+        for row in rows:
+            mask |= row[2]
+        return Decision(*self._choose(hashes, rows, mask, self.inflight.at(hashes[0])))
+
+    def _choose(
+        self,
+        hashes: Sequence[int],
+        candidates: list[tuple[bytes, int, int]],
+        mask: int,
+        flying: dict[bytes, list[Sequence[int]]] | None,
+    ) -> tuple[bytes, str, int]:
+        """``choose`` over (engine, running, bit) rows, ``mask`` their bits and ``flying`` the prompts in flight
+        under the first block. Each candidate scores the leading blocks it holds (reported) or computes (in
+        flight), whichever is more; the index is searched once for all of them (``PrefixIndex.longest``)."""
+        least = candidates[0]
         held, at = self.index.longest(hashes, mask)  # ``at``: the candidates holding ``held`` blocks
         longest = held
-        computing: dict[bytes, int] = {}
-        flying = self.inflight._first.get(hashes[0])
+        computing = _NOTHING_COMPUTED
         if flying:
+            computing = {}
             for c in candidates:
                 prompts = flying.get(c[0])
                 if prompts:
