@@ -15,6 +15,7 @@ reader's memory map, whose pages count in the process's RSS for as long as it is
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -142,8 +143,10 @@ def load_model(gguf_path: Path, config: Any, generation_config: Any, dtype: torc
     tensors = GGUFTensors(gguf_path)
     kept: Counter[str] = Counter()
     replaced = _fill_embedding(model, tensors, dtype, kept)
+    _give_back_freed()
     for i, layer in enumerate(model.layers):
         replaced += _fill_layer(model.config, i, layer, tensors, dtype, kept)
+        _give_back_freed()  # a layer's at a time, so the peak is what is held and one layer's temporaries
     model.norm = nn.Parameter(tensors.dense("output_norm.weight", dtype), requires_grad=False)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -151,6 +154,15 @@ def load_model(gguf_path: Path, config: Any, generation_config: Any, dtype: torc
     log.info("kept %d layers of %s quantised (%s), built without an fp32 copy", replaced, gguf_path.name,
              ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))  # fmt: skip
     return model.eval()
+
+
+def _give_back_freed() -> None:
+    """Hand the decoding's freed temporaries back to the system: glibc keeps what freed blocks of its heap held
+    (a ~1B model's load left ~100 MiB of RSS so: 1568 -> 1471 MiB after load); a no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _fill_layer(config: Any, i: int, layer: nn.Module, tensors: GGUFTensors, dtype: torch.dtype, kept: Counter) -> int:
