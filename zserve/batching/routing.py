@@ -179,20 +179,20 @@ class PrefixIndex:
         the index drop an engine's oldest entries, a count may be off: a worse route, never a wrong answer.)"""
         if not hashes:
             return 0, 0
-        holders = self._holders
-        at = holders.get(hashes[0], 0) & mask
-        n = len(hashes)
-        if not at or n == 1:
-            return (1, at) if at else (0, 0)
-        lo, hi = 1, n + 1  # some engine of ``at`` holds hashes[lo - 1]; none of ``mask`` holds hashes[hi - 1]
-        while hi - lo > 1:
-            mid = (lo + hi) >> 1
-            found = holders.get(hashes[mid - 1], 0) & at
+        get = self._holders.get
+        at = get(hashes[0], 0) & mask
+        if not at:
+            return 0, 0
+        held, free = 0, len(hashes)  # some engine of ``at`` holds hashes[held]; none holds hashes[free] (or beyond)
+        while free - held > 1:
+            mid = (held + free) >> 1
+            found = get(hashes[mid], 0) & at
             if found:
-                lo, at = mid, found
+                held = mid
+                at = found
             else:
-                hi = mid
-        return lo, at
+                free = mid
+        return held + 1, at
 
     def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
         """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds (``longest`` for each)."""
@@ -360,8 +360,19 @@ class PrefixRouter:
         flying = self.inflight._first.get(first)
         if not mask and not flying:  # held and computed nowhere: one probe is all a new prompt costs
             return least.worker_id, LEAST_LOADED, 0
-        held_of = index._held
         least_id = least.worker_id
+        if not flying and not mask & (mask - 1):  # most prompts: one engine holds the first block, none computes it
+            engine = index._engines[mask.bit_length() - 1]
+            matched = index.longest(hashes, mask)[0]
+            if engine == least_id:
+                return least_id, MATCH, matched
+            w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
+            if w is None or w.free_credits <= 0:
+                return least_id, LEAST_LOADED, 0
+            if len(w.in_flight) > self.spill_ratio * len(least.in_flight) + self.spill_slack:
+                return least_id, SPILL, 0  # the least loaded holds nothing of it
+            return engine, MATCH, matched  # type: ignore[return-value]
+        held_of = index._held
         held = held_of.get(least_id)
         least_bit = held.bit if held is not None else 0
         candidates = [(least_id, len(least.in_flight), least_bit)]
