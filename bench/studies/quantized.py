@@ -14,8 +14,12 @@ fp32 ("none"; both ``cpu_linear`` native, our C kernels), in process on the engi
   is the fp32 model's token, and the perplexity of both on a fixed text.
 
 ``ZSERVE_CPU_ISA=avx2`` (with ``c_build.CAPPED``'s variables) measures as an AVX2-only CPU would.
+``--activations fp32,int8`` (step and exactness) loads one kept engine per kernel of the quantised layers,
+forced (``ZSERVE_QUANT_ACTIVATIONS``): fp32 activations (the weights converted in registers) against int8 ones
+(integer dot products), side by side in one process; the default, ``auto``, is the engine's own choice.
 
     .venv/bin/python -m bench.studies.quantized --batch 1,8,32
+    .venv/bin/python -m bench.studies.quantized --batch 1,8,32 --activations fp32,int8
     .venv/bin/python -m bench.studies.quantized --mode memory
     .venv/bin/python -m bench.studies.quantized --mode exactness
     env ZSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \\
@@ -29,6 +33,7 @@ import ctypes
 import gc
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +44,7 @@ import torch
 from msgspec.structs import replace
 from torch import nn
 
-from zserve.generator import c_build, quant_linear
+from zserve.generator import c_build, kernel_tune, quant_linear
 from zserve.generator.generator import GenerateRequest, Generator, GeneratorOptions
 from zserve.generator.sequence import SamplingParams
 
@@ -73,8 +78,34 @@ def _options(args: argparse.Namespace, quantization: str) -> GeneratorOptions:
     return replace(options, quantization=quantization)
 
 
-def _load(args: argparse.Namespace, quantization: str) -> Generator:
-    return Generator.load(args.path, gguf_file=args.gguf_file, options=_options(args, quantization))
+def _load(args: argparse.Namespace, quantization: str, activations: str = "auto") -> Generator:
+    """An engine; its quantised layers' kernel forced to ``activations`` (fp32 / int8) unless "auto"."""
+    before = os.environ.get(kernel_tune.QUANT_ACTIVATIONS_ENV)
+    os.environ[kernel_tune.QUANT_ACTIVATIONS_ENV] = activations
+    try:
+        return Generator.load(args.path, gguf_file=args.gguf_file, options=_options(args, quantization))
+    finally:
+        if before is None:
+            os.environ.pop(kernel_tune.QUANT_ACTIVATIONS_ENV)
+        else:
+            os.environ[kernel_tune.QUANT_ACTIVATIONS_ENV] = before
+
+
+def _engines(args: argparse.Namespace) -> dict[str, Generator]:
+    """The fp32 engine ("none") and one kept engine per ``--activations`` path, named "<quantization>/<path>"."""
+    engines = {"none": _load(args, "none")}
+    for a in args.activations.split(","):
+        engines[f"{args.quantization}/{a}"] = _load(args, args.quantization, a)
+    return engines
+
+
+def _paths(engine: Generator) -> str:
+    """How many of the engine's quantised layers run each kernel."""
+    found: dict[str, int] = {}
+    for m in {id(m): m for m in engine.core.model.modules()}.values():
+        if isinstance(m, quant_linear.QuantLinear):
+            found[m.activations or "torch"] = found.get(m.activations or "torch", 0) + 1
+    return ", ".join(f"{n} {a}" for a, n in sorted(found.items()))
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -116,9 +147,12 @@ def _status() -> dict[str, int]:
 
 
 def step(args: argparse.Namespace) -> None:
-    engines = {q: _load(args, q) for q in ("none", args.quantization)}
-    kept, fp32 = quant_linear.weight_bytes(engines[args.quantization].core.model)
+    engines = _engines(args)
+    names = [n for n in engines if n != "none"]
+    kept, fp32 = quant_linear.weight_bytes(engines[names[0]].core.model)
     print(f"ISA {c_build.isa().name}, 1 thread; quantised weights {kept / MIB:.1f} MiB, fp32 {fp32 / MIB:.1f} MiB")
+    for n in names:
+        print(f"{n}: quantised layers' activations {_paths(engines[n])}")
     for b in (int(x) for x in args.batch.split(",")):
         times: dict[str, list[float]] = {q: [] for q in engines}
         for engine in engines.values():
@@ -137,9 +171,9 @@ def step(args: argparse.Namespace) -> None:
                 engine.core.abort(i)
         best = {q: min(t) * 1e3 for q, t in times.items()}
         med = {q: statistics.median(t) * 1e3 for q, t in times.items()}
-        q = args.quantization
-        print(f"B={b}: fp32 best {best['none']:.1f} ms (median {med['none']:.1f}), {q} best "
-              f"{best[q]:.1f} ms (median {med[q]:.1f}): {best['none'] / best[q]:.2f}x")  # fmt: skip
+        kept_times = ", ".join(f"{q} best {best[q]:.1f} ms (median {med[q]:.1f}): {best['none'] / best[q]:.2f}x"
+                               for q in names)  # fmt: skip
+        print(f"B={b}: fp32 best {best['none']:.1f} ms (median {med['none']:.1f}); {kept_times}")
     for engine in engines.values():
         engine.close()
 
@@ -229,34 +263,37 @@ def _greedy(engine: Generator, ids: list[int], n: int) -> list[int]:
 
 
 def exactness(args: argparse.Namespace) -> None:
-    engines = {q: _load(args, q) for q in ("none", args.quantization)}
+    engines = _engines(args)
     tok = engines["none"].tokenizer
-    q = args.quantization
-    cosines, same, total = [], 0, 0
+    names = [n for n in engines if n != "none"]
+    cosines: dict[str, list[float]] = {n: [] for n in names}
+    same, total = dict.fromkeys(names, 0), 0
     for prompt in PROMPTS:
         chat = [{"role": "user", "content": prompt}]
         ids = list(tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
         generated = _greedy(engines["none"], ids, args.tokens)
         full = ids + generated
-        ref, got = (_logits(engines[k], full)[len(ids) - 1 :] for k in ("none", q))
-        cosines += torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=-1).tolist()
-        same += int((got.argmax(-1) == torch.tensor(generated)).sum())
+        ref = _logits(engines["none"], full)[len(ids) - 1 :]
+        for n in names:
+            got = _logits(engines[n], full)[len(ids) - 1 :]
+            cosines[n] += torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=-1).tolist()
+            same[n] += int((got.argmax(-1) == torch.tensor(generated)).sum())
         total += len(generated)
     text = tok(TEXT)["input_ids"]
     ppl = {}
-    for k in ("none", q):
+    for k in engines:
         logits = _logits(engines[k], text)
         nll = torch.nn.functional.cross_entropy(logits.double(), torch.tensor(text[1:]))
         ppl[k] = math.exp(float(nll))
-    cos = torch.tensor(cosines, dtype=torch.float64)
     print(f"{args.gguf_file}; ISA {c_build.isa().name}; {len(PROMPTS)} prompts x {args.tokens} tokens (the fp32 "
-          f"model's greedy ones), {q} against the fp32 model of the same dequantised weights")  # fmt: skip
-    print(f"cosine per position: min {cos.min():.6f} (1 - min {1 - cos.min():.1e}), 1st percentile "
-          f"{cos.quantile(0.01):.6f}, median "
-          f"{cos.median():.7f}; greedy tokens the same at {same}/{total} positions "
-          f"({100 * same / total:.2f}%)")  # fmt: skip
-    print(f"perplexity on a fixed text ({len(text)} tokens): fp32 {ppl['none']:.4f}, {q} {ppl[q]:.4f} "
-          f"({100 * (ppl[q] / ppl['none'] - 1):+.3f}%)")  # fmt: skip
+          f"model's greedy ones), each kept engine against the fp32 model of the same dequantised weights")  # fmt: skip
+    for n in names:
+        cos = torch.tensor(cosines[n], dtype=torch.float64)
+        print(f"{n} ({_paths(engines[n])}): cosine per position: min {cos.min():.6f} (1 - min {1 - cos.min():.1e}), "
+              f"1st percentile {cos.quantile(0.01):.6f}, median {cos.median():.7f}; greedy tokens the same at "
+              f"{same[n]}/{total} positions ({100 * same[n] / total:.2f}%); perplexity on a fixed text "
+              f"({len(text)} tokens): fp32 {ppl['none']:.4f}, {n} {ppl[n]:.4f} "
+              f"({100 * (ppl[n] / ppl['none'] - 1):+.3f}%)")  # fmt: skip
     for engine in engines.values():
         engine.close()
 
@@ -272,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="exactness: greedy tokens a prompt")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--quantization", default="auto", help="against none: auto (the file's blocks) or int8")
+    p.add_argument("--activations", default="auto", help="step, exactness: the quantised layers' kernels, comma-"
+                   "separated: auto (measured), fp32, int8")  # fmt: skip
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     {"step": step, "memory": memory, "memory-one": memory_one, "exactness": exactness}[args.mode](args)

@@ -69,3 +69,15 @@ def test_a_choice_survives_its_cache_file():
 
 def test_buckets_are_sorted_unique_and_start_at_one():
     assert kc.buckets(64, 4, 512, 4, 0) == (1, 4, 64, 512)
+
+
+def test_a_quantised_layer_takes_int8_activations_where_they_measured_faster_over_the_row_counts():
+    fp32, int8 = kc.FP32, kc.INT8
+    assert kc.choose_activations({1: {fp32: 2.0, int8: 1.0}, 32: {fp32: 4.0, int8: 2.0}}) == int8
+    # one layout of the weights serves every row count: the geometric mean of the ratios decides
+    assert kc.choose_activations({1: {fp32: 1.0, int8: 0.5}, 32: {fp32: 1.0, int8: 1.5}}) == int8  # sqrt(0.75)
+    assert kc.choose_activations({1: {fp32: 1.0, int8: 0.5}, 32: {fp32: 1.0, int8: 2.5}}) == fp32  # sqrt(1.25)
+    assert kc.choose_activations({1: {fp32: 1.0, int8: 0.98}}) == fp32  # within the noise: the fp32 kernel
+    assert kc.choose_activations({1: {fp32: 1.0, int8: 0.5}, 8: {fp32: 1.0, int8: None}}) == fp32  # int8 failed
+    assert kc.choose_activations({1: {fp32: None, int8: 0.5}}) == int8  # fp32 failed
+    assert kc.choose_activations({}) == fp32

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, quants
 from torch import nn
 
 from zserve import gguf_quant
-from zserve.generator import c_build, native_quant, quant_linear
+from zserve.generator import c_build, kernel_choice, kernel_tune, native_quant, quant_linear
 
 needs_cc = pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here: int8 layers run on torch")
 
@@ -101,7 +101,9 @@ def test_per_channel_quantisation_is_symmetric_and_within_half_a_step():
 
 
 @pytest.mark.parametrize(("out", "k"), [(208, 96), (200, 96), (208, 40)])  # 200, 40: the torch fallback
-def test_a_quant_linear_computes_with_its_dequantised_weight(out, k):
+def test_a_quant_linear_computes_with_its_dequantised_weight(out, k, monkeypatch):
+    # the fp32-activation kernel, forced (test_native_quant_i8 has the int8 one's)
+    monkeypatch.setenv(kernel_tune.QUANT_ACTIVATIONS_ENV, kernel_choice.FP32)
     torch.manual_seed(out + k)
     linear = nn.Linear(k, out)
     layer = quant_linear.QuantLinear.from_linear(linear)

@@ -23,6 +23,28 @@ NATIVE = "native:"  # + "<isa>/<variant name>"
 MARGIN = 0.97  # another candidate replaces oneDNN where it measured at least 3% faster
 
 
+# the activations of a quantised product (native_quant: fp32, the weights converted in registers;
+# native_quant_i8: quantised to int8, integer dot products)
+FP32, INT8 = "fp32", "int8"
+
+
+def choose_activations(timings: Mapping[int, Mapping[str, float | None]]) -> str:
+    """For one quantised layer shape, {rows: {FP32 / INT8: seconds}} -> the kernel it runs at every row count
+    (one layout of its weights is kept, not two): int8 where the geometric mean over the row counts of its time
+    over fp32's is below ``MARGIN``; fp32 otherwise, or where int8 failed (None) at any row count."""
+    ratios = []
+    for t in timings.values():
+        fp32, int8 = t.get(FP32), t.get(INT8)
+        if int8 is None or not math.isfinite(int8):
+            return FP32
+        if fp32 is None or not math.isfinite(fp32):
+            continue
+        ratios.append(int8 / fp32)
+    if not ratios:
+        return INT8 if timings else FP32
+    return INT8 if math.exp(sum(map(math.log, ratios)) / len(ratios)) < MARGIN else FP32
+
+
 def native(isa: str, variant: str) -> str:
     return f"{NATIVE}{isa}/{variant}"
 

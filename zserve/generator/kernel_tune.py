@@ -13,8 +13,10 @@ wrong somewhere, a measurement on the machine is not.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zserve.generator import c_build, cpu_linear, kernel_choice, native_linear
+from zserve.generator import c_build, cpu_linear, kernel_choice, native_linear, native_quant, native_quant_i8
 from zserve.gguf_cache import zserve_cache
 
 log = logging.getLogger("zserve.engine")
@@ -270,3 +272,60 @@ def _time(
     except RuntimeError as e:
         log.warning("CPU linear candidate %s failed: %s", kind, e)
         return None
+
+
+# a quantised layer's kernel, forced: "int8" (activations quantised, integer dot products) or "fp32" (the weights
+# converted in registers); unset or "auto": measured per shape (quant_path)
+QUANT_ACTIVATIONS_ENV = "ZSERVE_QUANT_ACTIVATIONS"
+_QUANT_ROWS = (1, 8, 32)  # a decode of one, a few and many sequences
+_QUANT_SAMPLE_OUTPUTS = 1536  # outputs timed of a wider layer: the time per output is the same
+
+
+def quant_path(out_features: int, in_features: int, bits: int, minimums: bool, half: bool, isa: str) -> str:
+    """The kernel a quantised layer of this shape and format runs here (``kernel_choice.INT8`` or ``FP32``):
+    ``$ZSERVE_QUANT_ACTIVATIONS`` where it names one, else the faster on random weights of the same form at 1,
+    8 and 32 rows (the thread's CPU time, best of 3; ~10-50 ms a shape, once a process)."""
+    forced = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto").lower()
+    if forced in (kernel_choice.INT8, kernel_choice.FP32):
+        return forced
+    if forced != "auto":
+        log.warning("%s=%s is not int8, fp32 or auto: measuring", QUANT_ACTIVATIONS_ENV, forced)
+    return _measured_quant_path(out_features, in_features, bits, minimums, half, isa, torch.get_num_threads())
+
+
+@functools.cache
+def _measured_quant_path(n: int, k: int, bits: int, minimums: bool, half: bool, isa: str, threads: int) -> str:
+    width, out = c_build.ISAS[isa].width, n
+    n = min(n, max(width, _QUANT_SAMPLE_OUTPUTS // width * width))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0 if bits == 4 else -127, 16 if bits == 4 else 128, (n, k), dtype=torch.int8, generator=gen)
+    s = torch.rand(n, k // native_quant.BLOCK, generator=gen) * 0.02 + 1e-3
+    m = torch.randn(n, k // native_quant.BLOCK, generator=gen) * 0.05 if minimums else None
+    if half:
+        s, m = s.half().float(), None if m is None else m.half().float()
+    runs = {kernel_choice.FP32: (native_quant.linear, native_quant.pack(q, s, m, isa, bits))}
+    if native_quant_i8.applies(q, n, k, isa):
+        runs[kernel_choice.INT8] = (native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits))
+    clock = _clock()
+    timings: dict[int, dict[str, float | None]] = {}
+    with torch.inference_mode():
+        for rows in _QUANT_ROWS:
+            x = torch.randn(rows, k, generator=gen)
+            timings[rows] = {kernel_choice.INT8: None}
+            for name, (run, packed) in runs.items():
+                run(x, packed, None)  # the first call: the library loaded, the caches warm
+                best = math.inf
+                for _ in range(_REPEATS):
+                    t0 = clock()
+                    run(x, packed, None)
+                    best = min(best, clock() - t0)
+                timings[rows][name] = best
+    chosen = kernel_choice.choose_activations(timings)
+    ratios = ", ".join(
+        f"{r} rows {t[kernel_choice.FP32] / t[kernel_choice.INT8]:.2f}x" for r, t in timings.items()
+        if t.get(kernel_choice.INT8)
+    )  # fmt: skip
+    form = f"{bits}-bit{' with minimums' if minimums else ''}"
+    log.info("quantised %dx%d %s products on %s: %s activations (int8 against fp32: %s)", k, out, form, isa,
+             chosen, ratios or "int8 unavailable")  # fmt: skip
+    return chosen

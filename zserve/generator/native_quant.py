@@ -49,7 +49,7 @@ _SCHEDULES = {
 # (at 8 rows of a 3072 x 576 product 0.39 -> 0.35 ms on AVX-512, 0.44 -> 0.38 on AVX2; at 4 rows slower)
 MANY_ROWS = {"avx512": 8, "avx2": 6, "portable": 6}
 
-_TILE = r"""
+_CONVERT = r"""
 /* VW int8 at p -> VW floats; VW bytes of two 4-bit values each -> the low and the high nibbles' VW floats;
    VW fp16 -> VW floats. GCC lowers __builtin_convertvector from int8 lanes to one scalar conversion a lane
    (16 movsbl + vpinsrd a vector, 3x slower than fp32's product), so x86's extensions by hand */
@@ -108,6 +108,9 @@ static inline vf vh2f(const uint16_t *p) {
 #endif
 /* a block's VW scales (or minimums): fp16 or fp32 */
 #define SLOAD(HALF, base, i) ((HALF) ? vh2f((const uint16_t *)(base) + (i)) : vload((const float *)(base) + (i)))
+"""
+
+_TILE = r"""
 /* y[MB rows][NP * VW] = x[MB][K] (q * s + m)^T (+ bias): FMT 0 (i8) q NP panels [K][VW] int8; 1 (i8m) the
    same with minimums; 2 (u4m) NP panels [K/2][VW] of two 4-bit values a byte, with minimums. s and m NP
    panels [K/32][VW], fp16 where HALF. The minimums are not added to each weight but once a block, times the
@@ -304,6 +307,7 @@ def source(isa: str) -> str:
         + "typedef void (*tile_fn)(const float *, long, const void *, const void *, const void *, const float *,"
         + " int, const float *, float *, long);\n"
         + "typedef void (*ftile_fn)(const float *, long, const float *, int, const float *, float *, long);\n"
+        + _CONVERT
         + _TILE
         + native_linear.fp32_tile_source("FTILE", "ftile")
         + "\n".join(f"TILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in tiles(fmt))

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from zserve.generator import native_quant
+from zserve.generator import kernel_choice, kernel_tune, native_quant, native_quant_i8
 
 log = logging.getLogger("zserve.engine")
 
@@ -49,8 +49,18 @@ class QuantLinear(nn.Module):
         # the kernel's view of the buffers below (CPU only: a QuantLinear is never moved), or None on torch
         self.packed: native_quant.Packed | None = None
         self.fmt = ""  # the kernel's format (native_quant.FORMATS) where it runs
+        # its activations where the kernel runs: fp32 (native_quant) or int8 (native_quant_i8), measured per shape
+        self.activations = ""
         if self.native:
-            self.packed = native_quant.pack(q, s, m, self.isa, bits)
+            self.activations = kernel_choice.FP32
+            if native_quant_i8.applies(q, self.out_features, self.in_features, self.isa):
+                minimums = m is not None or bits == 4
+                half = native_quant._exact_half(s) and (m is None or native_quant._exact_half(m))
+                self.activations = kernel_tune.quant_path(
+                    self.out_features, self.in_features, bits, minimums, half, self.isa
+                )
+            kernel = native_quant_i8 if self.activations == kernel_choice.INT8 else native_quant
+            self.packed = kernel.pack(q, s, m, self.isa, bits)
             self.fmt, q, s, m = self.packed.fmt, self.packed.q, self.packed.s, self.packed.m
         else:
             s, m = s.float(), None if m is None else m.float()
@@ -92,12 +102,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return native_quant.linear(x, self.packed, self.bias).to(x.dtype)
+            kernel = native_quant_i8 if self.activations == kernel_choice.INT8 else native_quant
+            return kernel.linear(x, self.packed, self.bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        route = f"native:{self.isa}" if self.native else "torch"
+        route = f"native:{self.isa}, {self.activations} activations" if self.native else "torch"
         form = self.fmt or f"int{self.bits}"
         return f"{self.in_features} -> {self.out_features}, {form}, bias={self.bias is not None}, {route}"
 

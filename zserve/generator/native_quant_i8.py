@@ -1,0 +1,473 @@
+"""The quantised linear layers' second kernel: activations quantised to int8 and integer dot products, as
+llama.cpp's ggml-cpu does for its Q8_0 / Q4_0 / Q4_1 products (``quantize_row_q8_0`` and
+``ggml_vec_dot_q4_1_q8_1``). ``native_quant.py`` converts every weight to fp32 in registers, scales it and FMAs
+it: ~9 vector operations a 32 weights, so a decode step there is bound by that conversion, not by memory. Here
+each row of x is quantised once a call, per block of 32 inputs (d = max |x| / 127, xq = round(x / d), nearest
+even), and each block's product of integers is one instruction a 4 inputs and VW outputs:
+
+- AVX-512 VNNI (and AVX-VNNI's 256-bit form): ``vpdpbusd`` (unsigned bytes times signed bytes, four a 32-bit
+  lane, added in): 4-bit weights (0..15) are the unsigned operand as they are; 8-bit ones are made unsigned
+  by flipping their top bit (q + 128) and the block's sum of xq times 128 taken off again, exactly;
+- AVX2: ``vpmaddubsw`` + ``vpmaddwd``: 4-bit weights as they are; 8-bit ones as llama.cpp does, |xq| times
+  the weight with xq's sign (no 16-bit sum can overflow: 2 * 127 * 127 < 2^15);
+- portable C elsewhere (the same integers, one lane at a time; the tuner keeps the fp32 kernel there).
+
+A block's int32 sum is then converted once and added in fp32 times the weight's scale and the row's d; the
+minimums (Q4_0 / Q4_1 / Q4_K) are added once a block, times the exact fp32 sum of x over it (llama.cpp uses
+d times the sum of xq: ours loses nothing there). So the result is the product of the dequantised weights
+with the int8-quantised activations, to fp32 rounding (``reference``); against fp32 activations each output
+moves by at most sum over blocks of d / 2 * sum |w| over the block.
+
+The weights are in panels of VW outputs (the ISA's int32 lanes, as the floats of ``native_quant``), laid out
+for the instruction: ``i8`` [N/VW][K/32][8][VW][4] (four consecutive inputs of one output in a 32-bit lane),
+``u4`` [N/VW][K/32][4][VW][4] with the block's inputs 0-15 in the low nibbles and 16-31 in the high ones.
+Scales and minimums as ``native_quant``'s ([N/VW][K/32][VW], fp16 where exact): the same bytes a weight.
+
+Which kernel runs a layer is measured when the layer is made (``kernel_tune.quant_path``), or forced with
+``ZSERVE_QUANT_ACTIVATIONS=int8|fp32``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from zserve.generator import c_build, native_quant
+
+BLOCK = native_quant.BLOCK
+FORMATS = ("i8", "i8m", "u4m")  # as native_quant's: 8-bit, 8-bit with minimums, 4-bit two a byte with minimums
+
+# (rows a block of rows takes at most, panels for each of 1..cap rows) for the 8-bit formats and for u4m: an
+# int32 and an fp32 accumulator a row and panel, the panels' weight vectors (u4m: two unpacked), and what the
+# dot product needs (AVX2: the broadcast activations, their magnitudes, constants) within the ISA's registers.
+# One row takes one panel at a time: the weights then stream from memory in one sequence, which the
+# prefetchers follow best (1 row of a 33 MB layer, 1 thread: 4-bit 2.5 -> 1.4 ms on AVX-512, 2.5 -> 1.6 on
+# AVX2; 8-bit 4.8 -> 2.7 on AVX2)
+SCHEDULES = {
+    "avx512": ((4, (1, 4, 3, 3)), (4, (1, 4, 3, 2))),
+    "avx2": ((4, (1, 2, 1, 1)), (4, (1, 2, 1, 1))),
+    "portable": ((4, (1, 2, 1, 1)), (4, (1, 2, 1, 1))),
+}
+
+# tiles of up to this many rows x panels sum a block in two chains of dot products (what registers allow)
+DUAL_MAX = {"avx512": 6, "avx2": 2, "portable": 2}
+
+# A decode step streams the weights from memory: the tiles prefetch the block this many blocks ahead of the one
+# they compute (a layer of 1 row on AVX-512 at 33 MB: 2.4 -> 1.8-1.9 ms; hardware prefetch alone follows
+# fewer streams than a group's panels)
+PREFETCH_BLOCKS = 16
+
+_DOT = r"""
+typedef uint8_t vb __attribute__((vector_size(4 * VW)));  /* VW lanes of 4 bytes: one vector register */
+typedef uint8_t vbu __attribute__((vector_size(4 * VW), aligned(1)));
+static inline vb bload(const uint8_t *p) { return *(const vbu *)p; }
+static inline int32_t four(const int8_t *x) { int32_t t; memcpy(&t, x, 4); return t; }
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+/* dot_u: each lane += its 4 unsigned bytes of w times the 4 signed bytes at x;
+   dot_s: the same with signed bytes of w (made ready by i8_prep once a load), I8_OFFSET what i8_prep added */
+#if VW == 16 && defined(__AVX512VNNI__)
+#define INT_PATH "avx512-vnni"
+static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
+    return (vfi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(four(x)));
+}
+#define I8_OFFSET 128
+static inline vb i8_prep(vb w) { return w ^ (uint8_t)0x80; }
+static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) { (void)xa; return dot_u(acc, w, x); }
+#elif VW == 8 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define INT_PATH "avx-vnni"
+static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
+#ifdef __AVXVNNI__
+    return (vfi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(four(x)));
+#else
+    return (vfi)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(four(x)));
+#endif
+}
+#define I8_OFFSET 128
+static inline vb i8_prep(vb w) { return w ^ (uint8_t)0x80; }
+static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) { (void)xa; return dot_u(acc, w, x); }
+#elif VW == 8 && defined(__AVX2__)
+#define INT_PATH "avx2"
+static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
+    const __m256i p = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x)));
+    return acc + (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#define I8_OFFSET 0
+static inline vb i8_prep(vb w) { return w; }
+/* |x| times w with x's sign (llama.cpp's mul_sum_i8_pairs): maddubs wants its first operand unsigned */
+static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) {
+    const __m256i sw = _mm256_sign_epi8((__m256i)w, _mm256_set1_epi32(four(x)));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi32(four((const int8_t *)xa)), sw);
+    return acc + (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#else
+#define INT_PATH "portable"
+static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
+    for (int l = 0; l < VW; l++)
+        acc[l] += w[4 * l] * x[0] + w[4 * l + 1] * x[1] + w[4 * l + 2] * x[2] + w[4 * l + 3] * x[3];
+    return acc;
+}
+#define I8_OFFSET 0
+static inline vb i8_prep(vb w) { return w; }
+static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) {
+    (void)xa;
+    for (int l = 0; l < VW; l++)
+        acc[l] += (int8_t)w[4 * l] * x[0] + (int8_t)w[4 * l + 1] * x[1] + (int8_t)w[4 * l + 2] * x[2] +
+                  (int8_t)w[4 * l + 3] * x[3];
+    return acc;
+}
+#endif
+const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
+
+/* a tile of at most DUAL_MAX rows x panels sums each block in two chains of dependent dot products (the low and
+   the high nibbles, or even and odd groups of 4 inputs), halving the latency a block waits on */
+#define DUAL(MB, NP) ((MB) * (NP) <= DUAL_MAX)
+/* y[MB rows][NP * VW] (+)= the rows' int8 activations (xq, their magnitudes xa, [MB][K]; d and the fp32 and
+   integer sums of each block [MB][K/32]) times NP panels of weights in format FMT (0 i8, 1 i8m, 2 u4m), scales
+   (and minimums) fp16 where HALF */
+#define ITILE(MB, NP, FMT, HALF)                                                                             \
+    static void itile_##MB##_##NP##_##FMT##_##HALF(const int8_t *xq, const uint8_t *xa, const float *dx,     \
+                                                  const float *xs, const int32_t *sq, int K, const void *q,  \
+                                                  const void *s, const void *mn, const float *bias, float *y,\
+                                                  long ldy) {                                                \
+        const int KB = K / 32;                                                                               \
+        const long qstep = FMT == 2 ? (long)K * VW / 2 : (long)K * VW; /* bytes a panel */                   \
+        vf acc[MB][NP];                                                                                      \
+        for (int p = 0; p < NP; p++) {                                                                       \
+            const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
+            for (int m = 0; m < MB; m++) acc[m][p] = b;                                                      \
+        }                                                                                                    \
+        for (int kb = 0; kb < KB; kb++) {                                                                    \
+            const long bb = FMT == 2 ? 16 * VW : 32 * VW; /* bytes a block of a panel */                     \
+            for (int p = 0; p < NP; p++)                                                                     \
+                for (int l = 0; l < bb; l += 64)                                                             \
+                    __builtin_prefetch((const uint8_t *)q + p * qstep + (kb + PREFETCH) * bb + l);           \
+            vfi ia[MB][NP], ib[MB][NP]; /* ib: a second chain of sums where registers allow (DUAL) */        \
+            for (int m = 0; m < MB; m++) {                                                                   \
+                const int32_t init = FMT == 2 ? 0 : -I8_OFFSET * sq[(long)m * KB + kb];                      \
+                for (int p = 0; p < NP; p++) ia[m][p] = (vfi){0} + init, ib[m][p] = (vfi){0};                \
+            }                                                                                                \
+            if (FMT == 2) {                                                                                  \
+                for (int j = 0; j < 4; j++) {                                                                \
+                    vb lo[NP], hi[NP];                                                                       \
+                    for (int p = 0; p < NP; p++) {                                                           \
+                        const vb v = bload((const uint8_t *)q + p * qstep + ((long)kb * 4 + j) * 4 * VW);    \
+                        lo[p] = v & (uint8_t)15, hi[p] = v >> 4;                                             \
+                    }                                                                                        \
+                    for (int m = 0; m < MB; m++) {                                                           \
+                        const int8_t *x = xq + (long)m * K + kb * 32 + 4 * j;                                \
+                        for (int p = 0; p < NP; p++) {                                                       \
+                            ia[m][p] = dot_u(ia[m][p], lo[p], x);                                            \
+                            if (DUAL(MB, NP))                                                                \
+                                ib[m][p] = dot_u(ib[m][p], hi[p], x + 16);                                   \
+                            else                                                                             \
+                                ia[m][p] = dot_u(ia[m][p], hi[p], x + 16);                                   \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            } else {                                                                                         \
+                for (int j = 0; j < 8; j++) {                                                                \
+                    vb w[NP];                                                                                \
+                    for (int p = 0; p < NP; p++)                                                             \
+                        w[p] = i8_prep(bload((const uint8_t *)q + p * qstep + ((long)kb * 8 + j) * 4 * VW));  \
+                    for (int m = 0; m < MB; m++) {                                                           \
+                        const long at = (long)m * K + kb * 32 + 4 * j;                                       \
+                        for (int p = 0; p < NP; p++) {                                                       \
+                            if (DUAL(MB, NP) && (j & 1))                                                     \
+                                ib[m][p] = dot_s(ib[m][p], w[p], xq + at, xa + at);                          \
+                            else                                                                             \
+                                ia[m][p] = dot_s(ia[m][p], w[p], xq + at, xa + at);                          \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            for (int p = 0; p < NP; p++) {                                                                   \
+                const vf sc = SLOAD(HALF, s, ((long)p * KB + kb) * VW);                                      \
+                for (int m = 0; m < MB; m++)                                                                 \
+                    acc[m][p] += __builtin_convertvector(DUAL(MB, NP) ? ia[m][p] + ib[m][p] : ia[m][p], vf) * \
+                                 (sc * dx[(long)m * KB + kb]);                                               \
+            }                                                                                                \
+            if (FMT != 0)                                                                                    \
+                for (int p = 0; p < NP; p++) {                                                               \
+                    const vf mv = SLOAD(HALF, mn, ((long)p * KB + kb) * VW);                                 \
+                    for (int m = 0; m < MB; m++) acc[m][p] += xs[(long)m * KB + kb] * mv;                    \
+                }                                                                                            \
+        }                                                                                                    \
+        for (int m = 0; m < MB; m++)                                                                         \
+            for (int p = 0; p < NP; p++) vstore(y + m * ldy + p * VW, acc[m][p]);                            \
+    }
+"""
+
+_ENTRY = r"""
+/* rows m0..m1 of x quantised per block of 32 (llama.cpp's quantize_row_q8_0, with d in fp32): d = max |x| / 127,
+   xq = x / d rounded to nearest even (rintf, the default rounding mode), xa = |xq|; the block's sums of x and
+   of xq */
+static void quantize_rows(const float *x, long ldx, int m0, int m1, int K, int8_t *xq, uint8_t *xa, float *dx,
+                          float *xs, int32_t *sq) {
+    const int KB = K / 32;
+    for (int m = m0; m < m1; m++)
+        for (int kb = 0; kb < KB; kb++) {
+            const float *p = x + (long)m * ldx + kb * 32;
+            float amax = 0.f, sum = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(p[i])), sum += p[i];
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            int32_t total = 0;
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)rintf(p[i] * id);
+                xq[(long)m * K + kb * 32 + i] = (int8_t)v, xa[(long)m * K + kb * 32 + i] = (uint8_t)abs(v);
+                total += v;
+            }
+            dx[(long)m * KB + kb] = d, xs[(long)m * KB + kb] = sum, sq[(long)m * KB + kb] = total;
+        }
+}
+
+/* x [M][K] quantised to int8 per block of 32 (the result of zserve_quantize_rows), for tests to compare with */
+void zserve_quantize_rows(const float *x, long ldx, int M, int K, int8_t *xq, float *dx) {
+    const int KB = K / 32;
+    uint8_t *xa = malloc((size_t)M * K);
+    float *xs = malloc(sizeof(float) * (size_t)M * KB);
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB);
+    if (xa && xs && sq) quantize_rows(x, ldx, 0, M, K, xq, xa, dx, xs, sq);
+    free(xa), free(xs), free(sq);
+}
+
+/* y [M][N] (row stride ldy) = int8(x [M][K]) (q * s + mn)^T (+ bias [N]) in format fmt (0 i8, 1 i8m, 2 u4m),
+   scales and minimums fp16 where half; N a multiple of VW, K of 32. x is quantised first (its rows split over
+   the threads), then rows in blocks of even size up to CAP against groups of PANELS[r] panels, the groups split
+   over `threads` threads (torch's OpenMP pool), as native_quant's kernel. */
+int zserve_qlinear_i8(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt,
+                      int half, int N, int K, const float *bias, float *y, long ldy, int threads) {
+    if (K % 32 || fmt < 0 || fmt > 2 || (fmt && !mn)) return -1;
+    const int KB = K / 32;
+    int8_t *xq = malloc((size_t)M * K);
+    uint8_t *xa = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * (size_t)M * KB * 2);
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB);
+    if (!xq || !xa || !dx || !sq) {
+        free(xq), free(xa), free(dx), free(sq);
+        return -2;
+    }
+    float *xs = dx + (size_t)M * KB;
+    const int qthreads = M >= 4 * threads ? threads : 1, chunk = (M + qthreads - 1) / qthreads;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int t = 0; t < qthreads; t++)
+        quantize_rows(x, ldx, t * chunk, (t + 1) * chunk < M ? (t + 1) * chunk : M, K, xq, xa, dx, xs, sq);
+    const size_t qbytes = fmt == 2 ? (size_t)K * VW / 2 : (size_t)K * VW, sbytes = (half ? 2 : 4) * (size_t)KB * VW;
+    const itile_fn(*table)[MAXP + 1] = ITILES[fmt * 2 + (half != 0)];
+    const int cap = CAP[fmt == 2], blocks = (M + cap - 1) / cap, rows = (M + blocks - 1) / blocks;
+    const int np = PANELS[fmt == 2][rows], panels = N / VW, groups = (panels + np - 1) / np;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int g = 0; g < groups; g++) {
+        const int p0 = g * np, width = panels - p0 < np ? 1 : np; /* a last, partial group one panel at a time */
+        for (int p = p0; p < p0 + np && p < panels; p += width) {
+            const char *qp = (const char *)q + p * qbytes, *sp = (const char *)s + p * sbytes;
+            const char *mp = mn ? (const char *)mn + p * sbytes : 0;
+            const float *b = bias ? bias + p * VW : 0;
+            for (int m0 = 0; m0 < M; m0 += rows) {
+                const int mb = M - m0 < rows ? M - m0 : rows;
+                table[mb][width](xq + (long)m0 * K, xa + (long)m0 * K, dx + (long)m0 * KB, xs + (long)m0 * KB,
+                                 sq + (long)m0 * KB, K, qp, sp, mp, b, y + (long)m0 * ldy + p * VW, ldy);
+            }
+        }
+    }
+    free(xq), free(xa), free(dx), free(sq);
+    return 0;
+}
+"""
+
+
+def source(isa: str, schedules: tuple | None = None, dual: int | None = None, prefetch: int | None = None) -> str:
+    """The C source for ``isa`` (with ``schedules`` in ``SCHEDULES``' form, or the ISA's own): the tiles in
+    every format, the activations' quantisation and the entry point."""
+    schedules = schedules or SCHEDULES[isa]
+    cap = max(c for c, _ in schedules)
+    max_panels = max(max(p) for _, p in schedules)
+    combos = [(fmt, half) for fmt in range(len(FORMATS)) for half in (0, 1)]
+
+    def tiles(fmt: int) -> list[tuple[int, int]]:
+        cap, panels = schedules[fmt == 2]
+        return sorted({(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)})
+
+    def table(fmt: int, half: int) -> str:
+        have = set(tiles(fmt))
+        rows = (
+            "        {"
+            + ", ".join(f"itile_{mb}_{np}_{fmt}_{half}" if (mb, np) in have else "0" for np in range(max_panels + 1))
+            + "},"
+            for mb in range(cap + 1)
+        )
+        return "    {\n" + "\n".join(rows) + "\n    },"
+
+    def row(values: tuple[int, ...]) -> str:
+        return "{" + ", ".join(map(str, (0, *values, *[values[-1]] * (cap - len(values))))) + "}"
+
+    return (
+        c_build.vectors(c_build.ISAS[isa].width)
+        + f"static const int CAP[2] = {{{schedules[0][0]}, {schedules[1][0]}}};\n#define MAXP {max_panels}\n"
+        + f"#define DUAL_MAX {DUAL_MAX[isa] if dual is None else dual}\n"
+        + f"#define PREFETCH {PREFETCH_BLOCKS if prefetch is None else prefetch}\n"
+        + f"static const int PANELS[2][{cap + 1}] = {{{row(schedules[0][1])}, {row(schedules[1][1])}}};\n"
+        + "typedef void (*itile_fn)(const int8_t *, const uint8_t *, const float *, const float *, const int32_t *,"
+        + " int, const void *, const void *, const void *, const float *, float *, long);\n"
+        + native_quant._CONVERT
+        + _DOT
+        + "\n".join(f"ITILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in tiles(fmt))
+        + f"\nstatic const itile_fn ITILES[{len(combos)}][{cap + 1}][{max_panels + 1}] = {{\n"
+        + "\n".join(table(fmt, half) for fmt, half in combos)
+        + "\n};\n"
+        + _ENTRY
+    )
+
+
+@functools.cache
+def _library(isa: str, schedules: tuple | None = None) -> ctypes.CDLL | None:
+    chosen = c_build.for_name(isa)
+    name = f"qlinear-i8-{isa}"
+    lib = c_build.build(name, source(isa, schedules), [*chosen.flags, "-fopenmp"], "the int8-activation products")
+    if lib is None:
+        return None
+    ptr, c_long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.zserve_qlinear_i8.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, c_int, c_int, ptr, ptr, c_long,
+                                      c_int]  # fmt: skip
+    lib.zserve_qlinear_i8.restype = c_int
+    lib.zserve_quantize_rows.argtypes = [ptr, c_long, c_int, c_int, ptr, ptr]
+    lib.zserve_quantize_rows.restype = None
+    lib.zserve_qlinear_i8_path.restype = ctypes.c_char_p
+    return lib
+
+
+def instructions(isa: str) -> str | None:
+    """Which integer dot product the kernel built for ``isa`` runs (avx512-vnni, avx-vnni, avx2, portable), or
+    None where it does not build."""
+    lib = _library(isa)
+    return None if lib is None else lib.zserve_qlinear_i8_path().decode()
+
+
+def applies(q: torch.Tensor, out_features: int, in_features: int, isa: str) -> bool:
+    """The kernel takes this weight: whole panels and blocks, it builds here, and no 8-bit value is -128 (AVX2's
+    sign trick negates the weight: -128 has no int8 negation; GGUF's Q8_0 and our int8 hold -127..127)."""
+    return (
+        native_quant.applies(out_features, in_features, isa)
+        and _library(isa) is not None
+        and (q.dtype != torch.int8 or q.numel() == 0 or int(q.min()) > -128)
+    )
+
+
+@dataclass(frozen=True)
+class PackedI8(native_quant.Packed):
+    """A weight in this kernel's layout for ``isa``: ``q`` [N/W, K/32, 8, W, 4] int8 (``i8``, ``i8m``) or
+    [N/W, K/32, 4, W, 4] uint8 (``u4m``: inputs 0-15 of a block low nibbles, 16-31 high); ``s``, ``m`` as
+    ``native_quant.Packed``'s."""
+
+    @property
+    def width(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        panels, blocks, _, width, _ = self.q.shape
+        return panels * width, blocks * BLOCK
+
+    def values(self) -> torch.Tensor:
+        panels, blocks, _, width, _ = self.q.shape
+        q = self.q
+        if self.fmt == "u4m":
+            q = torch.stack([q & 15, q >> 4], dim=2)  # [P, KB, 2, 4, W, 4]
+            q = q.permute(0, 4, 1, 2, 3, 5)
+        else:
+            q = q.permute(0, 3, 1, 2, 4)
+        return q.to(torch.int16).reshape(panels * width, blocks * BLOCK)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        width = self.width
+        panel, lane = ids // width, ids % width
+        q = self.q[panel, :, :, lane, :]  # [T, KB, G, 4]
+        if self.fmt == "u4m":
+            q = torch.stack([q & 15, q >> 4], dim=2)
+        q = q.reshape(len(ids), -1)
+        w = q.float() * self.s[panel, :, lane].float().repeat_interleave(BLOCK, dim=1)
+        return w if self.m is None else w + self.m[panel, :, lane].float().repeat_interleave(BLOCK, dim=1)
+
+
+def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: str | None = None,
+         bits: int = 8) -> PackedI8:  # fmt: skip
+    """(q [N, K] integers, s and m [N, K/32] or m None) -> this kernel's layout for ``isa``, in the format
+    ``native_quant.pack`` would choose (``u4m`` where ``bits`` is 4, else ``i8`` / ``i8m``)."""
+    isa = isa or native_quant.default_isa()
+    width = c_build.ISAS[isa].width
+    n, k = q.shape
+    panels, blocks = n // width, k // BLOCK
+    if bits == 4:
+        if m is None:
+            m = torch.zeros_like(s, dtype=torch.float32)
+        # [P, W, KB, half, j, t] -> [P, KB, half, j, W, t]: input kb*32 + 16 half + 4 j + t
+        v = q.to(torch.uint8).reshape(panels, width, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+        qp, fmt = (v[:, :, 0] | (v[:, :, 1] << 4)).contiguous(), "u4m"
+    else:
+        v = q.to(torch.int8).reshape(panels, width, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        qp, fmt = v.contiguous(), "i8" if m is None else "i8m"
+    half = native_quant._exact_half(s) and (m is None or native_quant._exact_half(m))
+    sp = native_quant.pack_blocks(s, isa, half)
+    return PackedI8(fmt, qp, sp, None if m is None else native_quant.pack_blocks(m, isa, half), isa)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq [M, K] int8, d [M, K/32] fp32) as the kernel quantises it: per block of 32,
+    d = max |x| / 127 and xq = x * (1 / d) rounded to nearest even (the same fp32 operations: the same bits)."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=2) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    xq = torch.round(blocks * inv.unsqueeze(2)).to(torch.int8)
+    return xq.reshape(rows, k), d
+
+
+def reference(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """What the kernel computes, in float64: x [M, K] quantised (``quantize_activations``) times the weights
+    q * s [N, K], plus each block's minimum times the block's exact sum of x (and ``bias``)."""
+    xq, d = quantize_activations(x)
+    xd = xq.double() * d.double().repeat_interleave(BLOCK, dim=1)
+    y = xd @ native_quant.dequantize(q, s).double().T
+    if m is not None:
+        sums = x.double().reshape(x.shape[0], -1, BLOCK).sum(dim=2)
+        y += sums @ m.double().T
+    return y if bias is None else y + bias.double()
+
+
+def quantize_in_c(x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_activations`` as the C kernel does it (what the tests compare against torch's)."""
+    lib = _library(isa or native_quant.default_isa())
+    x = x.float().contiguous()
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    d = torch.empty(x.shape[0], x.shape[1] // BLOCK)
+    lib.zserve_quantize_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xq.data_ptr(), d.data_ptr())
+    return xq, d
+
+
+def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., K] fp32 through the ``pack``-ed weight ``w`` (and a contiguous fp32 ``bias`` [N], or None),
+    its rows quantised to int8 on the way."""
+    args = w.call_args
+    n, k = args[5], args[6]
+    rows = x.reshape(-1, k)
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    count = rows.shape[0]
+    y = torch.empty(count, n, dtype=torch.float32)
+    if count:
+        rc = _library(w.isa).zserve_qlinear_i8(
+            rows.data_ptr(), rows.stride(0), count, *args, None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"int8 quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
+    return y.view(*x.shape[:-1], n)
