@@ -1,9 +1,10 @@
 """The HTTP API's bodies as msgspec Structs: the routes decode requests and build responses with them, and
 ``/openapi.json`` is generated from them (``zserve.frontends.openapi``), so the two cannot drift apart.
 
-The OpenAI request types check the JSON types of the fields; what a field may hold beyond its type (a
-sampling range, a prompt within the context) is checked where it was before (``GenerateRequest``, the
-engine), with the same field names in the error.
+The generation request types check the JSON types of the fields and their sampling ranges, which they take from
+``zserve.generation`` (``GenerateRequest``'s, declared once); what a range cannot say (``n`` within the engine's
+slots, a schema the grammar can enforce) is checked as they are mapped into ``GenerateRequest``s
+(``zserve.frontends.openai_params``), a prompt within the context by the engine, with the same field names.
 """
 
 from __future__ import annotations
