@@ -4,6 +4,8 @@ transformers reads GGUF (``from_pretrained(folder, gguf_file=...)``) but dequant
 which takes tens of seconds on a CPU. So the first engine converts the file into a plain safetensors checkpoint
 in ``<cache>/gguf/<stem>-<sha16>-<dtype>/`` and every later start loads that with ``from_pretrained(path)``.
 Several engine processes may start at once: one converts under a file lock, the others wait and reuse it.
+The loader that keeps a GGUF's quantised blocks (``gguf_load.py``) needs no weights from here, only the config and
+tokenizer: ``config_path`` caches those alone, the same way (``<stem>-<sha16>-config/``).
 """
 
 from __future__ import annotations
