@@ -73,6 +73,7 @@ def test_a_gguf_loads_without_fp32_as_the_former_path_did(tiny_gguf, caplog):
         assert "token_embd.weight is Q5_0 [49152, 256]: dequantised" in caplog.text
         assert type(new.embed) is torch.nn.Embedding and isinstance(new.lm_head, quant_linear.QuantLinear)
     assert "built without an fp32 copy" in caplog.text
+    assert "-float32" not in caplog.text  # the fp32 conversion neither made nor read (only the config's cache)
     _assert_same_greedy(engine, Generator(old, engine.tokenizer, OPTIONS))
     engine.close()
 
