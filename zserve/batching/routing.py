@@ -61,10 +61,10 @@ class PrefixIndex:
     The mask is the only lookup structure: a delta or a match touches one dict, which matters because a broker
     with many engines has an index far bigger than the CPU's caches, and every probe costs a miss (a second,
     per-engine dict of the same hashes made a delta cost twice as much). A hash only one engine holds (most of
-    them) has that engine's own bit object as its value, one of at most 64 hot objects, so reading a mask costs
-    no miss of its own. Per engine there is only a log of the hashes it stored, in order, appended to and read
-    when it is dropped or over its bound; it is compacted when it grows past twice the engine's bound, so its
-    memory stays within that."""
+    them) has that engine's own bit object as its value, one object per engine, hot, so reading a mask costs no
+    miss of its own and an entry no int of its own. Per engine there is only a log of the hashes it stored, in
+    order, appended to and read when it is dropped or over its bound; it is compacted when it grows past twice
+    the engine's bound, so its memory stays within that."""
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # hash -> mask of the slots of the engines holding it
