@@ -40,13 +40,10 @@ class Routes:
                 router.index.reset(worker_id, msg.block_hashes, msg.kv_blocks)
 
     def on_step(self, worker_id: bytes, msg: StepOutput) -> None:
-        worker = self.pool.workers.get(worker_id)
-        if worker is None:
-            return  # not registered (yet, or any more): its Hello's snapshot will say it all
-        for model in worker.models:
-            router = self.routers.get(model)
-            if router is not None:
-                router.index.update(worker_id, msg.stored_blocks, msg.evicted_blocks)
+        # each router's index knows the engines that said Hello for its model and are still in the pool, and
+        # ignores the others' deltas (not registered yet, or any more: their Hello's snapshot will say it all)
+        for router in self.routers.values():
+            router.index.update(worker_id, msg.stored_blocks, msg.evicted_blocks)
 
     def choose(self, model: str, item_id: int, fallback: Worker) -> Worker:
         """The engine for queued sequence ``item_id`` (``fallback``: the pool's least-loaded engine with credit)."""
