@@ -24,6 +24,8 @@ MIXED = Shape(types={"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_K", "
                      "attn_output": "Q8_0", "ffn_gate": "Q4_K", "ffn_up": "Q4_1", "ffn_down": "Q5_0"})  # fmt: skip
 # a head of its own (Q4_0), an F16 product (dequantised), an embedding the kernel takes not (Q5_0)
 UNTIED = Shape(tied=False, types={"token_embd": "Q5_0", "output": "Q4_0", "attn_output": "F16", "*": "Q8_0"})
+# Qwen2: biases on q, k and v, rows as the checkpoint has them (not permuted); a head of its own
+QWEN2 = Shape(architecture="qwen2", tied=False, types={"attn_k": "Q4_1", "*": "Q8_0"})
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
 OPTIONS = GeneratorOptions(num_blocks=64, block_size=16, cpu_linear="torch")
 
@@ -50,10 +52,10 @@ def _assert_same_greedy(new: Generator, old: Generator) -> None:
         assert g.generated_text == w.generated_text
 
 
-@pytest.fixture(scope="module", params=["mixed", "untied"])
+@pytest.fixture(scope="module", params=["mixed", "untied", "qwen2"])
 def tiny_gguf(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
-    build_gguf(folder / f"{request.param}.gguf", MIXED if request.param == "mixed" else UNTIED)
+    build_gguf(folder / f"{request.param}.gguf", {"mixed": MIXED, "untied": UNTIED, "qwen2": QWEN2}[request.param])
     return str(folder), f"{request.param}.gguf"
 
 
@@ -68,6 +70,9 @@ def test_a_gguf_loads_without_fp32_as_the_former_path_did(tiny_gguf, caplog):
         assert "blk.0.ffn_down.weight is Q5_0: dequantised" in caplog.text
         assert isinstance(new.embed, quant_linear.QuantEmbedding) and new.embed.table is new.lm_head
         assert type(new.layers[0].down_proj) is torch.nn.Linear
+    elif name == "qwen2.gguf":
+        assert new.layers[0].qkv.bias is not None and type(new).__name__ == "LlamaFamily"
+        assert new.config.model_type == "qwen2"
     else:
         assert "blk.1.attn_output.weight is F16: dequantised" in caplog.text
         assert "token_embd.weight is Q5_0 [49152, 256]: dequantised" in caplog.text

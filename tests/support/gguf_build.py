@@ -32,6 +32,7 @@ class Shape:
     rope_theta: float = 10000.0
     context: int = 2048
     tied: bool = True  # no output.weight: the embedding is the LM head
+    architecture: str = "llama"  # or "qwen2": biases on q, k, v, and q/k rows not permuted
     # tensor kind (the name's part after blk.N.) -> GGUF type; "token_embd" and "output" too
     types: dict[str, str] = field(default_factory=dict)
 
@@ -58,6 +59,8 @@ def _tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, int] | tuple[int], 
         yield f"blk.{i}.attn_norm.weight", (shape.hidden,), "F32"
         for name, rows in (("attn_q", shape.heads), ("attn_k", shape.kv_heads), ("attn_v", shape.kv_heads)):
             yield f"blk.{i}.{name}.weight", (rows * head_dim, shape.hidden), kind(name)
+            if shape.architecture == "qwen2":
+                yield f"blk.{i}.{name}.bias", (rows * head_dim,), "F32"
         yield f"blk.{i}.attn_output.weight", (shape.hidden, shape.heads * head_dim), kind("attn_output")
         yield f"blk.{i}.ffn_norm.weight", (shape.hidden,), "F32"
         yield f"blk.{i}.ffn_gate.weight", (shape.intermediate, shape.hidden), kind("ffn_gate")
@@ -73,8 +76,8 @@ def _data(name: str, dims: tuple[int, ...], type_name: str, seed: int) -> np.nda
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(seed)
-    if len(dims) == 1:
-        return (1 + 0.1 * rng.standard_normal(dims)).astype(np.float32)
+    if len(dims) == 1:  # a norm's weight around 1, a bias around 0
+        return (float(not name.endswith(".bias")) + 0.1 * rng.standard_normal(dims)).astype(np.float32)
     if type_name == "Q4_K":
         raw = rng.integers(0, 256, (dims[0], dims[1] // 256 * 144), dtype=np.uint8)
         blocks = raw.reshape(-1, 144)
@@ -95,21 +98,22 @@ def build_gguf(target: Path, shape: Shape = Shape(), seed: int = 0, log: Callabl
     from zserve.gguf_cache import resolve_model_path
 
     source = gguf.GGUFReader(str(Path(resolve_model_path(SMOLLM2[0])) / SMOLLM2[1]))
-    writer = gguf.GGUFWriter(str(target), arch="llama")
+    arch = shape.architecture
+    writer = gguf.GGUFWriter(str(target), arch=arch)
     config = {
-        "llama.block_count": shape.layers, "llama.context_length": shape.context,
-        "llama.embedding_length": shape.hidden, "llama.feed_forward_length": shape.intermediate,
-        "llama.attention.head_count": shape.heads, "llama.attention.head_count_kv": shape.kv_heads,
-        "llama.rope.freq_base": shape.rope_theta, "llama.vocab_size": shape.vocab,
-        "llama.rope.dimension_count": shape.hidden // shape.heads,
-        "general.name": f"random llama {shape.hidden}x{shape.layers}",
+        "block_count": shape.layers, "context_length": shape.context, "embedding_length": shape.hidden,
+        "feed_forward_length": shape.intermediate, "attention.head_count": shape.heads,
+        "attention.head_count_kv": shape.kv_heads, "rope.freq_base": shape.rope_theta, "vocab_size": shape.vocab,
+        "rope.dimension_count": shape.hidden // shape.heads,
     }  # fmt: skip
+    config = {f"{arch}.{k}": v for k, v in config.items()} | {"general.name": f"random {arch} {shape.hidden}"}
     for f in source.fields.values():
         if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
             continue
         val_type = f.types[0]
         sub_type = f.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, config.get(f.name, f.contents()), val_type, sub_type=sub_type)
+        name = f"{arch}.{f.name[len('llama.') :]}" if f.name.startswith("llama.") else f.name  # SmolLM2's keys
+        writer.add_key_value(name, config.get(name, f.contents()), val_type, sub_type=sub_type)
     del source
     specs = list(_tensors(shape))
     for name, dims, type_name in specs:
