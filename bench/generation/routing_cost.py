@@ -5,11 +5,11 @@ simulated generative engines, each registered with a Hello snapshot of ``--block
 finishing each at once. Per request: admit (Submits), route and dispatch (tick), flush, the engine's final
 StepOutput with its cache deltas (its prompt's last 4 blocks stored; each engine is full, so it reports its 4
 least recently used evicted, as an engine's block manager does: never its shared prefix, which the requests
-that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack just before, as the broker's
-shell hands them over. Reported: broker CPU per request (thread time of the core's calls alone, median) with
-``routing = "cache_aware"`` and with ``"least_loaded"`` (best of ``--repeat``, interleaved in this one process),
-the difference, split into its two phases (admitting, routing and dispatching a request; the engine's step
-message with its deltas), and the index's size in entries and bytes (tracemalloc).
+that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack just before, as the
+broker's shell hands them over. Reported: broker CPU per request (thread time of the core's calls alone,
+median) with ``routing = "cache_aware"`` and with ``"least_loaded"`` (best of ``--repeat``, interleaved in this
+one process), the difference, split into its two phases (admitting, routing and dispatching a request; the
+engine's step message with its deltas), and the index's size in entries and bytes (tracemalloc).
 
     .venv/bin/python -m bench.generation routing-cost                     # 64 engines
 """
@@ -69,8 +69,8 @@ def run(routing: str, args: argparse.Namespace) -> tuple[tuple[float, float, flo
         shared = rng.randrange(args.prompt_blocks + 1)
         own = [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
         prompts.append(msgspec.msgpack.encode(rng.choice(prefixes)[:shared] + own))
-    # what the run set up (the index, the prompts) is old by the time a broker serves: kept out of the young
-    # generations, so collections cost what a long-running broker's cost, not a scan of 20k fresh prompt lists
+    # what the run set up (the index, the engines) is old by the time a broker serves: kept out of the young
+    # generations, so collections cost what a long-running broker's cost, not a scan of the fresh set-up
     gc.collect()
     gc.freeze()
     clock = time.thread_time  # CPU time: what the broker spends, not the waits for a core on a shared machine
