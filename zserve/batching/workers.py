@@ -3,8 +3,10 @@ no clock of its own (``now`` is passed in, in seconds)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 
 ENGINE = "engine"
 PREPROCESS = "preprocess"
@@ -40,8 +42,10 @@ class Worker:
     preemptions: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # in_flight, free_kv_blocks and last_dispatch_s rank the worker in the pool's choice (``WorkerPool.best``):
+    # only the pool changes them, so that its ranking follows
     in_flight: dict[int, InFlightBatch] = field(default_factory=dict)
-    leaving: bool = False  # said Leave: gets no more work, and is not counted as ready
+    leaving: bool = False  # said Leave: gets no more work, and is not counted as ready (for good: a Hello is new)
 
     @property
     def free_credits(self) -> int:
@@ -56,6 +60,18 @@ class WorkerPool:
         # told of every worker that leaves the pool (lost, restarted, left): the routers drop its cache entries
         self.on_removed: Callable[[bytes], None] | None = None
         self.on_finished: Callable[[InFlightBatch], None] | None = None  # and of every batch finished
+        # ``best`` without a scan of every worker (a scan cost ~20 us a request with 64 engines): per (model, role),
+        # a heap of rank entries [batches held, -free KV blocks, last dispatch, registration number (ties go to
+        # the first registered, the pool's order), push number (never equal, so what follows is never compared),
+        # worker, the heaps it is in]. A worker's entry is a lower bound of its rank: when its rank falls (a batch
+        # finished, more free KV blocks) a new entry replaces it at once (the old one is marked dead: worker None);
+        # when it rises (a batch started, fewer free KV blocks) the entry is renewed only once it reaches the top.
+        # Dead entries, and live ones without credit (pushed again when one of their batches finishes), are
+        # dropped when they reach the top.
+        self._ranks: dict[tuple[str, str], list[list]] = {}
+        self._entry: dict[bytes, list] = {}  # worker id -> its live entry, shared by its models' heaps
+        self._registered = itertools.count()
+        self._pushed = itertools.count()
 
     def register(
         self,
@@ -78,12 +94,19 @@ class WorkerPool:
             worker_id, name, pid, role, tuple(models), credits, now, free_kv_blocks=kv_blocks, kv_blocks=kv_blocks,
             preprocesses=preprocesses, versions=versions,
         )  # fmt: skip
+        worker = self.workers[worker_id]
+        heaps = [self._ranks.setdefault((model, role), []) for model in dict.fromkeys(models)]
+        entry = [0, -kv_blocks, 0.0, next(self._registered), next(self._pushed), worker, heaps]
+        self._entry[worker_id] = entry
+        for ranks in heaps:
+            heappush(ranks, entry)
         return orphans
 
     def remove(self, worker_id: bytes) -> list[InFlightBatch]:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
+        self._unrank(worker_id)
         if self.on_removed is not None:
             self.on_removed(worker_id)
         for batch_id in worker.in_flight:
@@ -98,21 +121,28 @@ class WorkerPool:
         worker.last_seen_s = now
         if busy is not None:
             worker.busy = busy
-        if free_kv_blocks >= 0:
+        if free_kv_blocks >= 0 and free_kv_blocks != worker.free_kv_blocks:
+            more = free_kv_blocks > worker.free_kv_blocks
             worker.free_kv_blocks = free_kv_blocks
+            if more:
+                self._rank(worker)
         return True
 
     def best(self, model: str, role: str = ENGINE) -> Worker | None:
         """The ``role`` worker to give the next batch of ``model``: has credit, holds the fewest batches
         (for a generative engine: sequences), then has the most free KV blocks, then was used least
-        recently (spreads load over workers)."""
-        chosen = None
-        for worker in self.workers.values():
-            if worker.role != role or model not in worker.models or worker.free_credits <= 0:
-                continue
-            if chosen is None or _load(worker) < _load(chosen):
-                chosen = worker
-        return chosen
+        recently (spreads load over workers), then registered first."""
+        ranks = self._ranks.get((model, role))
+        while ranks:
+            top = ranks[0]
+            worker = top[5]
+            if worker is None or worker.leaving or worker.credits <= len(worker.in_flight):  # no free credit
+                heappop(ranks)
+            elif top[0] == len(worker.in_flight) and top[1] == -worker.free_kv_blocks:
+                return worker  # its entry is current (its last dispatch too: that moves only with a start)
+            else:
+                self._rank(worker)  # its rank rose since its entry was pushed
+        return None
 
     def batch(self, batch_id: int) -> InFlightBatch | None:
         return self._batches.get(batch_id)
@@ -125,7 +155,7 @@ class WorkerPool:
             worker.progress_s = now  # idle until now: the hang clock starts with this batch
         worker.in_flight[batch_id] = batch
         worker.last_dispatch_s = now
-        self._batches[batch_id] = batch
+        self._batches[batch_id] = batch  # its rank rose: ``best`` renews its entry if it reaches the top
         return batch
 
     def finish(self, batch_id: int) -> InFlightBatch | None:
@@ -133,8 +163,8 @@ class WorkerPool:
         batch = self._batches.pop(batch_id, None)
         if batch is not None:
             worker = self.workers.get(batch.worker_id)
-            if worker is not None:
-                worker.in_flight.pop(batch_id, None)
+            if worker is not None and worker.in_flight.pop(batch_id, None) is not None:
+                self._rank(worker)
             if self.on_finished is not None:
                 self.on_finished(batch)
         return batch
@@ -162,6 +192,7 @@ class WorkerPool:
         done = [w for w in self.workers.values() if w.leaving and not w.in_flight]
         for w in done:
             del self.workers[w.worker_id]
+            self._unrank(w.worker_id)
             if self.on_removed is not None:
                 self.on_removed(w.worker_id)
         return done
@@ -192,6 +223,24 @@ class WorkerPool:
     def engines(self, model: str) -> list[Worker]:
         return list(self._serving(model, ENGINE))
 
+    def _rank(self, worker: Worker) -> None:
+        """After a change of ``worker``'s rank: a new entry replaces its old one in its models' heaps."""
+        old = self._entry[worker.worker_id]  # a worker of the pool: only those finish, report or are chosen
+        old[5] = None
+        heaps = old[6]
+        entry = [len(worker.in_flight), -worker.free_kv_blocks, worker.last_dispatch_s, old[3], next(self._pushed),
+                 worker, heaps]  # fmt: skip
+        self._entry[worker.worker_id] = entry
+        for ranks in heaps:
+            if len(ranks) > _COMPACT_AT and len(ranks) > 4 * len(self.workers):
+                ranks[:] = [e for e in ranks if e[5] is not None]  # the dead that never reached the top
+                heapify(ranks)
+            heappush(ranks, entry)
 
-def _load(worker: Worker) -> tuple[int, int, float]:
-    return (len(worker.in_flight), -worker.free_kv_blocks, worker.last_dispatch_s)
+    def _unrank(self, worker_id: bytes) -> None:
+        entry = self._entry.pop(worker_id, None)
+        if entry is not None:
+            entry[5] = None
+
+
+_COMPACT_AT = 64  # a heap's entries before its dead ones are weeded out (at most 4 per worker then)
