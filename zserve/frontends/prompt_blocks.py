@@ -86,14 +86,14 @@ class PromptBlocks:
     def _load(self) -> Any:
         from transformers import AutoTokenizer
 
-        from zserve.gguf_cache import resolve_model_path
+        from zserve.gguf_cache import config_path, resolve_model_path
 
         path = self.path
         try:
             path = resolve_model_path(self.path)
-            # a GGUF file's tokenizer is read from its metadata, as the engine's converted checkpoint got it
-            gguf = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-            tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+            if self.gguf_file:  # the engine's own tokenizer folder, made once from the file's metadata (read: ~10 s)
+                path = str(config_path(path, self.gguf_file))
+            tokenizer = AutoTokenizer.from_pretrained(path)
             self.fingerprint = tokenizer_fingerprint(tokenizer)
             self._tokenizer = tokenizer  # last: __call__ reads the fingerprint once it sees the tokenizer
             log.info("routing: tokenizer loaded from %s; requests carry their prompt blocks", path)

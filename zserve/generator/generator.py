@@ -8,8 +8,8 @@ Its ``max_running`` (sequences per step) is also how many sequences the broker a
 The interface of a generative handler (a ``zserve.Model`` with ``generative = True``):
   * ``setup(device)`` sets ``self.generator`` to a ``Generator`` (``Generator.load(...)`` builds
     one from a model folder);
-  * ``decode_request(body)`` turns a request body into a ``GenerateRequest``-shaped dict (raising
-    ``BadRequest`` naming the field), and ``encode_response(GenerateResponse)`` the answer into its body;
+  * ``decode_request(body)`` turns a request body into a ``GenerateRequest`` (raising ``BadRequest`` naming the
+    field), and ``encode_response(GenerateResponse)`` the answer into its body;
 ``zserve.models.causal_lm:CausalLM`` is the one that ships; ``generator_of(model)`` checks the contract.
 """
 

@@ -30,7 +30,9 @@ class GeneratorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Required: a local folder, a hub name, or `package:NAME` (an installed package's folder) for
     `from_pretrained`."""
     gguf_file: str = ""
-    """A GGUF file in `path`, converted once into the cache, then loaded as a normal checkpoint."""
+    """A GGUF file in `path`. With `quantization = "auto"` on a CPU in one process its quantized blocks are kept
+    (config and tokenizer read once from its metadata into the cache); otherwise it is converted once into the
+    cache, then loaded as a normal checkpoint."""
     dtype: Dtype = "auto"
     """`auto`: bfloat16 on a CUDA device that supports it, else float32 (`resolve_dtype`). On a CPU with bf16 units
     (AVX512-BF16, AMX), `bfloat16` halves the bytes every step reads and oneDNN computes its products there, while
