@@ -1,5 +1,7 @@
 """``quantization = "int8"`` on the generative engine: a tiny Llama's linear layers kept int8 in memory
-generate, greedily, what the same model generates in fp32 with the dequantised weights, token for token."""
+generate, greedily, what the same model generates in fp32 with the dequantised weights, token for token (the
+fp32-activation kernel forced: the same sums in the same order), and near it with int8 activations; GGUF files
+served with their blocks kept."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from tinylm import build_tiny_lm
 
 import zserve
-from zserve.generator import c_build, native_quant, quant_linear
+from zserve.generator import c_build, kernel_choice, kernel_tune, native_quant, quant_linear
 
 PROMPTS = ["DeepSpeed is", "Seattle is a city", "zserve batches many small", "The quick brown fox"]
 
@@ -43,7 +45,13 @@ def _pipe(path, **options):
     )
 
 
-def test_int8_generates_what_the_dequantised_fp32_model_does(tiny_path, dequantized_path):
+@pytest.fixture
+def fp32_activations(monkeypatch):
+    """The quantised layers' fp32-activation kernel (native_quant), forced: the exact tests' sums."""
+    monkeypatch.setenv(kernel_tune.QUANT_ACTIVATIONS_ENV, kernel_choice.FP32)
+
+
+def test_int8_generates_what_the_dequantised_fp32_model_does(tiny_path, dequantized_path, fp32_activations):
     int8 = _pipe(tiny_path, quantization="int8")
     fp32 = _pipe(dequantized_path, quantization="none")
     model = int8.model.generator.core.model
@@ -60,6 +68,26 @@ def test_int8_generates_what_the_dequantised_fp32_model_does(tiny_path, dequanti
         # the same sums in the same order (the int8 kernel multiplies each weight back before its FMA)
         assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
         assert g.generated_text == w.generated_text
+
+
+def test_int8_activations_generate_near_the_dequantised_fp32_model(tiny_path, dequantized_path, monkeypatch):
+    monkeypatch.setenv(kernel_tune.QUANT_ACTIVATIONS_ENV, kernel_choice.INT8)
+    int8 = _pipe(tiny_path, quantization="int8")
+    fp32 = _pipe(dequantized_path, quantization="none")
+    layers = [m for m in int8.model.generator.core.model.modules() if isinstance(m, quant_linear.QuantLinear)]
+    assert all(layer.activations == kernel_choice.INT8 for layer in layers) == c_build.has_compiler()
+    got = int8(PROMPTS, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    want = fp32(PROMPTS, max_new_tokens=24, ignore_eos=True, logprobs=0)
+    same = total = 0
+    for g, w in zip(got, want, strict=True):
+        tokens_g, tokens_w = [t.token for t in g.logprobs], [t.token for t in w.logprobs]
+        # after a first differing token (a near tie moved by the activations' rounding) the texts go apart
+        first = next((i for i, (a, b) in enumerate(zip(tokens_g, tokens_w, strict=True)) if a != b), len(tokens_g))
+        same, total = same + first, total + len(tokens_g)
+        # up to there each token's log-probability moves by the activations' rounding only
+        lg, lw = ([t.logprob for t in r.logprobs[:first]] for r in (g, w))
+        assert lg == pytest.approx(lw, abs=0.05)
+    assert same >= 0.75 * total
 
 
 def test_an_unknown_quantization_is_an_error_naming_it(tiny_path):
@@ -102,19 +130,24 @@ def test_a_gguf_keeps_its_q4_1_blocks_which_stand_for_the_dequantised_weights(sm
     torch.testing.assert_close(model.lm_head.dequantized(), ref.lm_head.weight, rtol=1e-6, atol=1e-6)
     ids = torch.tensor([0, 2, 1000, 49151])
     torch.testing.assert_close(model.embed(ids), ref.embed(ids), rtol=1e-6, atol=1e-6)
+    # teacher-forced on the dequantised model's own greedy text: at each position the kept model (its kernels as
+    # measured: int8 activations on AVX2 / AVX-512) predicts the same token, with nearly the same log-probability
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,"]
-    got = kept(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
-    want = smollm2_dequantized(prompts, max_new_tokens=24, ignore_eos=True, logprobs=0)
-    same = total = 0
+    want = smollm2_dequantized(prompts, max_new_tokens=24, ignore_eos=True)
+    texts = [p + w.generated_text for p, w in zip(prompts, want, strict=True)]
+    got, want = (run(texts, max_new_tokens=1, prompt_logprobs=1) for run in (kept, smollm2_dequantized))
+    same, moved = 0, []
     for g, w in zip(got, want, strict=True):
-        tokens_g, tokens_w = [t.token for t in g.logprobs], [t.token for t in w.logprobs]
-        # after a first differing token (a near tie, fp32 sums in another order) the texts go apart
-        first = next((i for i, (a, b) in enumerate(zip(tokens_g, tokens_w, strict=True)) if a != b), len(tokens_g))
-        same, total = same + first, total + len(tokens_g)
-    assert same >= 0.9 * total
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            same += a.top_logprobs[0].token == b.top_logprobs[0].token
+            moved.append(abs(a.logprob - b.logprob))
+    # measured (AVX-512, two terms of int8): 86/86 the same, moved 0.001 on average, 0.014 at most; one term of
+    # int8 alone gave 80/86 and 0.083 / 0.66
+    assert same >= 0.95 * len(moved)
+    assert sum(moved) / len(moved) <= 0.01 and max(moved) <= 0.1
 
 
-def test_a_q8_0_gguf_is_served_with_its_blocks_kept(tmp_path):
+def test_a_q8_0_gguf_is_served_with_its_blocks_kept(tmp_path, fp32_activations):
     from gguf_requant import requantize
 
     from zserve.gguf_cache import resolve_model_path

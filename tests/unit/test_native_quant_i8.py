@@ -22,34 +22,41 @@ needs_cc = pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler 
 EPS = 1.2e-7  # fp32's unit roundoff, and a little
 
 
-def _bounds(x, q, s, m, bias):
+def _bounds(x, q, s, m, bias, terms=i8.TERMS):
     """(fp32 rounding of the kernel's sums: (K/32 + 4) eps times the sum of the terms' magnitudes; what int8
-    activations may move an output from the fp32-activation product: sum over blocks of d / 2 * sum |w|)."""
-    xq, d = i8.quantize_activations(x)
+    activations may move an output from the fp32-activation product: sum over blocks of d / 2 * sum |w| in one
+    term, d / 256 * sum |w| in two)."""
+    xq, d = i8.quantize_activations(x, terms)
     wabs = native_quant.dequantize(q, s).abs().double()
-    terms = (xq.double().abs() * d.double().repeat_interleave(32, dim=1)) @ wabs.T
+    sizes = i8.dequantize_activations(xq.abs(), d) if terms == 1 else x.double().abs() * 1.01
+    terms_abs = sizes @ wabs.T
     if m is not None:
-        terms += x.double().abs().reshape(x.shape[0], -1, 32).sum(dim=2) @ m.double().abs().T
-    terms += 0 if bias is None else bias.double().abs()
-    rounding = (x.shape[1] / 32 + 4) * EPS * terms + 1e-6
+        terms_abs += x.double().abs().reshape(x.shape[0], -1, 32).sum(dim=2) @ m.double().abs().T
+    terms_abs += 0 if bias is None else bias.double().abs()
+    rounding = (x.shape[1] / 32 + 4) * EPS * terms_abs + 1e-6
     wd = native_quant.dequantize(q, s, m).abs().double()
     blocks = wd.reshape(wd.shape[0], -1, 32).sum(dim=2)  # [N, K/32]: sum |w| a block
-    activations = (d.double() / 2) @ blocks.T
+    activations = (d.double() / (2 if terms == 1 else 256) * 1.001) @ blocks.T
     return rounding, activations
 
 
 @needs_cc
 @pytest.mark.parametrize("isa", c_build.runnable())
-def test_activations_are_quantised_in_c_exactly_as_the_reference_does(isa):
+@pytest.mark.parametrize("terms", [1, 2])
+def test_activations_are_quantised_in_c_exactly_as_the_reference_does(isa, terms):
     torch.manual_seed(0)
     x = torch.randn(7, 96) * torch.logspace(-3, 3, 7).unsqueeze(1)
     x[2] = 0  # an all-zero block: d = 0, xq = 0
     x[3, 5] = 1e-30  # d far below 1: 1 / d still finite
     x[4, :32] = torch.arange(32) - 15.5  # halves: rounded to nearest even, as rintf
-    xq, d = i8.quantize_in_c(x, isa)
-    want_q, want_d = i8.quantize_activations(x)
-    assert torch.equal(xq, want_q) and torch.equal(d, want_d)
+    xq, d = i8.quantize_in_c(x, isa, terms)
+    want_q, want_d = i8.quantize_activations(x, terms)
+    assert xq.shape == (7, 96 * terms) and torch.equal(xq, want_q) and torch.equal(d, want_d)
     assert xq.abs().max() <= 127 and (xq[2] == 0).all() and (d[2] == 0).all()
+    if terms == 2:  # the rest, in 1/128 of d: within half of d, so |xr| <= 64
+        assert xq[:, 96:].abs().max() <= 64
+    err = (i8.dequantize_activations(xq, d) - x.double()).abs()
+    assert (err <= d.double().repeat_interleave(32, dim=1) / (2 if terms == 1 else 256) * 1.001).all()
 
 
 # rows: 1-4 one block of rows, 5-9 blocks of unequal size, 17, 300 many; out: panels of every ISA's width and a
@@ -60,12 +67,12 @@ def test_activations_are_quantised_in_c_exactly_as_the_reference_does(isa):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 300])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_kernel_computes_the_product_with_int8_activations(isa, form, rows, threads):
-    for out, k in [(16, 32), (208, 96), (48, 576)]:
+    for out, k, terms in [(16, 32, 1), (16, 32, 2), (208, 96, 2), (48, 576, 1), (48, 576, 2)]:
         torch.manual_seed(rows * out + k)
         bias = torch.randn(out)
         q, s, m, bits = _weights(form, out, k)
         assert i8.applies(q, out, k, isa)
-        w = i8.pack(q, s, m, isa, bits)
+        w = i8.pack(q, s, m, isa, bits, terms)
         assert w.fmt == form.split("-")[0] and w.s.dtype == (torch.float16 if FORMS[form][2] else torch.float32)
         assert w.shape == (out, k) and torch.equal(w.dequantized(), native_quant.dequantize(q, s, m))
         x = torch.randn(rows, k)
@@ -77,12 +84,12 @@ def test_the_kernel_computes_the_product_with_int8_activations(isa, form, rows, 
             got_strided = i8.linear(strided, w, None)
         finally:
             torch.set_num_threads(before)
-        rounding, activations = _bounds(x, q, s, m, bias)
-        assert ((got.double() - i8.reference(x, q, s, m, bias)).abs() <= rounding).all()
+        rounding, activations = _bounds(x, q, s, m, bias, terms)
+        assert ((got.double() - i8.reference(x, q, s, m, bias, terms)).abs() <= rounding).all()
         fp32 = x.double() @ native_quant.dequantize(q, s, m).double().T + bias.double()
         assert ((got.double() - fp32).abs() <= activations + rounding).all()
-        rounding, _ = _bounds(strided, q, s, m, None)
-        assert ((got_strided.double() - i8.reference(strided, q, s, m)).abs() <= rounding).all()
+        rounding, _ = _bounds(strided, q, s, m, None, terms)
+        assert ((got_strided.double() - i8.reference(strided, q, s, m, None, terms)).abs() <= rounding).all()
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -123,7 +130,7 @@ def test_the_kernel_computes_with_every_gguf_types_blocks(isa, type_name, rows):
 
 
 @needs_cc
-@pytest.mark.parametrize("forced", [kernel_choice.FP32, kernel_choice.INT8])
+@pytest.mark.parametrize("forced", [kernel_choice.FP32, kernel_choice.INT8, kernel_choice.INT8_ONE])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quant_linear_runs_the_kernel_forced_on_it(monkeypatch, forced, bits):
     monkeypatch.setenv(kernel_tune.QUANT_ACTIVATIONS_ENV, forced)
@@ -132,14 +139,16 @@ def test_a_quant_linear_runs_the_kernel_forced_on_it(monkeypatch, forced, bits):
     bias = torch.randn(208)
     layer = quant_linear.QuantLinear.from_blocks(q, s, m, bias, bits)
     assert layer.activations == forced and f"{forced} activations" in repr(layer)
-    assert isinstance(layer.packed, i8.PackedI8) == (forced == kernel_choice.INT8)
+    assert isinstance(layer.packed, i8.PackedI8) == (forced != kernel_choice.FP32)
+    terms = 1 if forced == kernel_choice.INT8_ONE else 2
+    assert not isinstance(layer.packed, i8.PackedI8) or layer.packed.terms == terms
     x = torch.randn(2, 5, 96)
     with torch.inference_mode():
         got = layer(x).reshape(10, 208).double()
     rows = x.reshape(10, 96)
-    rounding, _ = _bounds(rows, q, s, m, bias)
-    if forced == kernel_choice.INT8:
-        want = i8.reference(rows, q, s, m, bias)
+    rounding, _ = _bounds(rows, q, s, m, bias, terms)
+    if forced != kernel_choice.FP32:
+        want = i8.reference(rows, q, s, m, bias, terms)
     else:
         want = rows.double() @ native_quant.dequantize(q, s, m).double().T + bias.double()
     assert ((got - want).abs() <= rounding).all()

@@ -24,8 +24,9 @@ MARGIN = 0.97  # another candidate replaces oneDNN where it measured at least 3%
 
 
 # the activations of a quantised product (native_quant: fp32, the weights converted in registers;
-# native_quant_i8: quantised to int8, integer dot products)
-FP32, INT8 = "fp32", "int8"
+# native_quant_i8: quantised to two terms of int8, integer dot products; INT8_ONE: one term, never chosen by
+# measurement, less exact: forced only, to measure what the second term buys)
+FP32, INT8, INT8_ONE = "fp32", "int8", "int8x1"
 
 
 def choose_activations(timings: Mapping[int, Mapping[str, float | None]]) -> str:

@@ -274,8 +274,9 @@ def _time(
         return None
 
 
-# a quantised layer's kernel, forced: "int8" (activations quantised, integer dot products) or "fp32" (the weights
-# converted in registers); unset or "auto": measured per shape (quant_path)
+# a quantised layer's kernel, forced: "int8" (activations quantised in two terms of int8, integer dot products),
+# "int8x1" (in one term: less exact) or "fp32" (the weights converted in registers); unset or "auto": measured per
+# shape (quant_path)
 QUANT_ACTIVATIONS_ENV = "ZSERVE_QUANT_ACTIVATIONS"
 _QUANT_ROWS = (1, 8, 32)  # a decode of one, a few and many sequences
 _QUANT_SAMPLE_OUTPUTS = 1536  # outputs timed of a wider layer: the time per output is the same
@@ -286,10 +287,10 @@ def quant_path(out_features: int, in_features: int, bits: int, minimums: bool, h
     ``$ZSERVE_QUANT_ACTIVATIONS`` where it names one, else the faster on random weights of the same form at 1,
     8 and 32 rows (the thread's CPU time, best of 3; ~10-50 ms a shape, once a process)."""
     forced = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto").lower()
-    if forced in (kernel_choice.INT8, kernel_choice.FP32):
+    if forced in (kernel_choice.INT8, kernel_choice.INT8_ONE, kernel_choice.FP32):
         return forced
     if forced != "auto":
-        log.warning("%s=%s is not int8, fp32 or auto: measuring", QUANT_ACTIVATIONS_ENV, forced)
+        log.warning("%s=%s is not int8, int8x1, fp32 or auto: measuring", QUANT_ACTIVATIONS_ENV, forced)
     return _measured_quant_path(out_features, in_features, bits, minimums, half, isa, torch.get_num_threads())
 
 

@@ -38,6 +38,11 @@ import torch
 from zserve.generator import c_build, native_quant
 
 BLOCK = native_quant.BLOCK
+# The activations in two terms of int8 by default, x ~ d (xq + xr / 128): one term alone moved SmolLM2-135M
+# Q4_1's logits too far from the fp32-activation product (cosine per step min 0.933, greedy tokens the same at
+# 93.2% of positions, perplexity +1.48%); two are as exact as fp32 activations for a decode step (sum over
+# blocks of d / 512 * sum |w|), at twice the integer products, cheap while a step reads its weights from memory
+TERMS = 2
 FORMATS = ("i8", "i8m", "u4m")  # as native_quant's: 8-bit, 8-bit with minimums, 4-bit two a byte with minimums
 
 # (rows a block of rows takes at most, panels for each of 1..cap rows) for the 8-bit formats and for u4m: an
@@ -126,16 +131,19 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
 /* a tile of at most DUAL_MAX rows x panels sums each block in two chains of dependent dot products (the low and
    the high nibbles, or even and odd groups of 4 inputs), halving the latency a block waits on */
 #define DUAL(MB, NP) ((MB) * (NP) <= DUAL_MAX)
-/* y[MB rows][NP * VW] (+)= the rows' int8 activations (xq, their magnitudes xa, [MB][K]; d and the fp32 and
-   integer sums of each block [MB][K/32]) times NP panels of weights in format FMT (0 i8, 1 i8m, 2 u4m), scales
-   (and minimums) fp16 where HALF */
-#define ITILE(MB, NP, FMT, HALF)                                                                             \
-    static void itile_##MB##_##NP##_##FMT##_##HALF(const int8_t *xq, const uint8_t *xa, const float *dx,     \
-                                                  const float *xs, const int32_t *sq, int K, const void *q,  \
-                                                  const void *s, const void *mn, const float *bias, float *y,\
-                                                  long ldy) {                                                \
+/* y[MB rows][NP * VW] (+)= the rows' int8 activations times NP panels of weights in format FMT (0 i8, 1 i8m,
+   2 u4m), scales (and minimums) fp16 where HALF. Each row of xq (and of xa, their magnitudes) holds RES + 1
+   terms of K values: x ~ d (xq + xr / 128) where RES; each row of sq their blocks' sums, [RES + 1][K/32]; dx and
+   xs the blocks' d and exact fp32 sums of x, [K/32] a row. With RES each block's sum of the second term runs in
+   the second chain, and the two meet as 128 sum1 + sum2 (exact in int32: |sum1| <= 32 * 127 * 127) */
+#define ITILE(MB, NP, FMT, HALF, RES)                                                                        \
+    static void itile_##MB##_##NP##_##FMT##_##HALF##_##RES(                                                  \
+        const int8_t *xq, const uint8_t *xa, const float *dx, const float *xs, const int32_t *sq, int K,     \
+        const void *q, const void *s, const void *mn, const float *bias, float *y, long ldy) {               \
         const int KB = K / 32;                                                                               \
+        const long ldq = (long)(RES + 1) * K, lds = (long)(RES + 1) * KB;                                     \
         const long qstep = FMT == 2 ? (long)K * VW / 2 : (long)K * VW; /* bytes a panel */                   \
+        const int two = RES || DUAL(MB, NP);                                                                 \
         vf acc[MB][NP];                                                                                      \
         for (int p = 0; p < NP; p++) {                                                                       \
             const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
@@ -146,10 +154,11 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
             for (int p = 0; p < NP; p++)                                                                     \
                 for (int l = 0; l < bb; l += 64)                                                             \
                     __builtin_prefetch((const uint8_t *)q + p * qstep + (kb + PREFETCH) * bb + l);           \
-            vfi ia[MB][NP], ib[MB][NP]; /* ib: a second chain of sums where registers allow (DUAL) */        \
+            vfi ia[MB][NP], ib[MB][NP]; /* ib: the second chain of sums */                                   \
             for (int m = 0; m < MB; m++) {                                                                   \
-                const int32_t init = FMT == 2 ? 0 : -I8_OFFSET * sq[(long)m * KB + kb];                      \
-                for (int p = 0; p < NP; p++) ia[m][p] = (vfi){0} + init, ib[m][p] = (vfi){0};                \
+                const int32_t ia0 = FMT == 2 ? 0 : -I8_OFFSET * sq[m * lds + kb];                            \
+                const int32_t ib0 = FMT == 2 || !RES ? 0 : -I8_OFFSET * sq[m * lds + KB + kb];               \
+                for (int p = 0; p < NP; p++) ia[m][p] = (vfi){0} + ia0, ib[m][p] = (vfi){0} + ib0;           \
             }                                                                                                \
             if (FMT == 2) {                                                                                  \
                 for (int j = 0; j < 4; j++) {                                                                \
@@ -159,13 +168,16 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
                         lo[p] = v & (uint8_t)15, hi[p] = v >> 4;                                             \
                     }                                                                                        \
                     for (int m = 0; m < MB; m++) {                                                           \
-                        const int8_t *x = xq + (long)m * K + kb * 32 + 4 * j;                                \
+                        const int8_t *x = xq + m * ldq + kb * 32 + 4 * j;                                    \
                         for (int p = 0; p < NP; p++) {                                                       \
-                            ia[m][p] = dot_u(ia[m][p], lo[p], x);                                            \
-                            if (DUAL(MB, NP))                                                                \
+                            if (RES) {                                                                       \
+                                ia[m][p] = dot_u(dot_u(ia[m][p], lo[p], x), hi[p], x + 16);                  \
+                                ib[m][p] = dot_u(dot_u(ib[m][p], lo[p], x + K), hi[p], x + K + 16);          \
+                            } else if (two) {                                                                \
+                                ia[m][p] = dot_u(ia[m][p], lo[p], x);                                        \
                                 ib[m][p] = dot_u(ib[m][p], hi[p], x + 16);                                   \
-                            else                                                                             \
-                                ia[m][p] = dot_u(ia[m][p], hi[p], x + 16);                                   \
+                            } else                                                                           \
+                                ia[m][p] = dot_u(dot_u(ia[m][p], lo[p], x), hi[p], x + 16);                  \
                         }                                                                                    \
                     }                                                                                        \
                 }                                                                                            \
@@ -175,9 +187,12 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
                     for (int p = 0; p < NP; p++)                                                             \
                         w[p] = i8_prep(bload((const uint8_t *)q + p * qstep + ((long)kb * 8 + j) * 4 * VW));  \
                     for (int m = 0; m < MB; m++) {                                                           \
-                        const long at = (long)m * K + kb * 32 + 4 * j;                                       \
+                        const long at = m * ldq + kb * 32 + 4 * j;                                           \
                         for (int p = 0; p < NP; p++) {                                                       \
-                            if (DUAL(MB, NP) && (j & 1))                                                     \
+                            if (RES) {                                                                       \
+                                ia[m][p] = dot_s(ia[m][p], w[p], xq + at, xa + at);                          \
+                                ib[m][p] = dot_s(ib[m][p], w[p], xq + at + K, xa + at + K);                  \
+                            } else if (two && (j & 1))                                                       \
                                 ib[m][p] = dot_s(ib[m][p], w[p], xq + at, xa + at);                          \
                             else                                                                             \
                                 ia[m][p] = dot_s(ia[m][p], w[p], xq + at, xa + at);                          \
@@ -187,14 +202,15 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
             }                                                                                                \
             for (int p = 0; p < NP; p++) {                                                                   \
                 const vf sc = SLOAD(HALF, s, ((long)p * KB + kb) * VW);                                      \
-                for (int m = 0; m < MB; m++)                                                                 \
-                    acc[m][p] += __builtin_convertvector(DUAL(MB, NP) ? ia[m][p] + ib[m][p] : ia[m][p], vf) * \
-                                 (sc * dx[(long)m * KB + kb]);                                               \
+                for (int m = 0; m < MB; m++) {                                                               \
+                    const vfi t = RES ? ia[m][p] * 128 + ib[m][p] : two ? ia[m][p] + ib[m][p] : ia[m][p];    \
+                    acc[m][p] += __builtin_convertvector(t, vf) * (sc * (dx[m * KB + kb] * (RES ? 0x1p-7f : 1.f))); \
+                }                                                                                            \
             }                                                                                                \
             if (FMT != 0)                                                                                    \
                 for (int p = 0; p < NP; p++) {                                                               \
                     const vf mv = SLOAD(HALF, mn, ((long)p * KB + kb) * VW);                                 \
-                    for (int m = 0; m < MB; m++) acc[m][p] += xs[(long)m * KB + kb] * mv;                    \
+                    for (int m = 0; m < MB; m++) acc[m][p] += xs[m * KB + kb] * mv;                          \
                 }                                                                                            \
         }                                                                                                    \
         for (int m = 0; m < MB; m++)                                                                         \
@@ -204,49 +220,58 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
 
 _ENTRY = r"""
 /* rows m0..m1 of x quantised per block of 32 (llama.cpp's quantize_row_q8_0, with d in fp32): d = max |x| / 127,
-   xq = x / d rounded to nearest even (rintf, the default rounding mode), xa = |xq|; the block's sums of x and
-   of xq */
-static void quantize_rows(const float *x, long ldx, int m0, int m1, int K, int8_t *xq, uint8_t *xa, float *dx,
-                          float *xs, int32_t *sq) {
+   xq = x / d rounded to nearest even (rintf, the default rounding mode); where terms is 2, the rest as a second
+   term, xr = (x - d xq) / (d / 128) rounded (|xr| <= 64: x ~ d (xq + xr / 128) to 1/256 of d); xa = |xq|, |xr|;
+   the blocks' sums of each term and of x. Rows of xq and xa hold terms * K values, of sq terms * K/32 */
+static void quantize_rows(const float *x, long ldx, int m0, int m1, int K, int terms, int8_t *xq, uint8_t *xa,
+                          float *dx, float *xs, int32_t *sq) {
     const int KB = K / 32;
     for (int m = m0; m < m1; m++)
         for (int kb = 0; kb < KB; kb++) {
             const float *p = x + (long)m * ldx + kb * 32;
             float amax = 0.f, sum = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(p[i])), sum += p[i];
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-            int32_t total = 0;
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f, id128 = id * 128.f;
+            int32_t total = 0, rest = 0;
+            int8_t *q = xq + (long)m * terms * K + kb * 32;
+            uint8_t *a = xa + (long)m * terms * K + kb * 32;
             for (int i = 0; i < 32; i++) {
                 const int v = (int)rintf(p[i] * id);
-                xq[(long)m * K + kb * 32 + i] = (int8_t)v, xa[(long)m * K + kb * 32 + i] = (uint8_t)abs(v);
-                total += v;
+                q[i] = (int8_t)v, a[i] = (uint8_t)abs(v), total += v;
+                if (terms == 2) {
+                    int r = (int)rintf(fmaf(-(float)v, d, p[i]) * id128);
+                    r = r > 127 ? 127 : r < -127 ? -127 : r;
+                    q[K + i] = (int8_t)r, a[K + i] = (uint8_t)abs(r), rest += r;
+                }
             }
-            dx[(long)m * KB + kb] = d, xs[(long)m * KB + kb] = sum, sq[(long)m * KB + kb] = total;
+            dx[(long)m * KB + kb] = d, xs[(long)m * KB + kb] = sum;
+            sq[(long)m * terms * KB + kb] = total;
+            if (terms == 2) sq[(long)m * terms * KB + KB + kb] = rest;
         }
 }
 
-/* x [M][K] quantised to int8 per block of 32 (the result of zserve_quantize_rows), for tests to compare with */
-void zserve_quantize_rows(const float *x, long ldx, int M, int K, int8_t *xq, float *dx) {
+/* x [M][K] quantised as the product does it (xq [M][terms * K], d [M][K/32]), for tests to compare with */
+void zserve_quantize_rows(const float *x, long ldx, int M, int K, int terms, int8_t *xq, float *dx) {
     const int KB = K / 32;
-    uint8_t *xa = malloc((size_t)M * K);
+    uint8_t *xa = malloc((size_t)M * K * terms);
     float *xs = malloc(sizeof(float) * (size_t)M * KB);
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB);
-    if (xa && xs && sq) quantize_rows(x, ldx, 0, M, K, xq, xa, dx, xs, sq);
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB * terms);
+    if (xa && xs && sq) quantize_rows(x, ldx, 0, M, K, terms, xq, xa, dx, xs, sq);
     free(xa), free(xs), free(sq);
 }
 
-/* y [M][N] (row stride ldy) = int8(x [M][K]) (q * s + mn)^T (+ bias [N]) in format fmt (0 i8, 1 i8m, 2 u4m),
-   scales and minimums fp16 where half; N a multiple of VW, K of 32. x is quantised first (its rows split over
-   the threads), then rows in blocks of even size up to CAP against groups of PANELS[r] panels, the groups split
-   over `threads` threads (torch's OpenMP pool), as native_quant's kernel. */
+/* y [M][N] (row stride ldy) = x [M][K] quantised (in terms 1 or 2 of int8) (q * s + mn)^T (+ bias [N]) in format
+   fmt (0 i8, 1 i8m, 2 u4m), scales and minimums fp16 where half; N a multiple of VW, K of 32. x is quantised
+   first (its rows split over the threads), then rows in blocks of even size up to CAP against groups of
+   PANELS[r] panels, the groups split over `threads` threads (torch's OpenMP pool), as native_quant's kernel. */
 int zserve_qlinear_i8(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt,
-                      int half, int N, int K, const float *bias, float *y, long ldy, int threads) {
-    if (K % 32 || fmt < 0 || fmt > 2 || (fmt && !mn)) return -1;
+                      int half, int N, int K, const float *bias, float *y, long ldy, int threads, int terms) {
+    if (K % 32 || fmt < 0 || fmt > 2 || (fmt && !mn) || terms < 1 || terms > 2) return -1;
     const int KB = K / 32;
-    int8_t *xq = malloc((size_t)M * K);
-    uint8_t *xa = malloc((size_t)M * K);
+    int8_t *xq = malloc((size_t)M * K * terms);
+    uint8_t *xa = malloc((size_t)M * K * terms);
     float *dx = malloc(sizeof(float) * (size_t)M * KB * 2);
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB);
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)M * KB * terms);
     if (!xq || !xa || !dx || !sq) {
         free(xq), free(xa), free(dx), free(sq);
         return -2;
@@ -255,9 +280,9 @@ int zserve_qlinear_i8(const float *x, long ldx, int M, const void *q, const void
     const int qthreads = M >= 4 * threads ? threads : 1, chunk = (M + qthreads - 1) / qthreads;
 #pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
     for (int t = 0; t < qthreads; t++)
-        quantize_rows(x, ldx, t * chunk, (t + 1) * chunk < M ? (t + 1) * chunk : M, K, xq, xa, dx, xs, sq);
+        quantize_rows(x, ldx, t * chunk, (t + 1) * chunk < M ? (t + 1) * chunk : M, K, terms, xq, xa, dx, xs, sq);
     const size_t qbytes = fmt == 2 ? (size_t)K * VW / 2 : (size_t)K * VW, sbytes = (half ? 2 : 4) * (size_t)KB * VW;
-    const itile_fn(*table)[MAXP + 1] = ITILES[fmt * 2 + (half != 0)];
+    const itile_fn(*table)[MAXP + 1] = ITILES[terms - 1][fmt * 2 + (half != 0)];
     const int cap = CAP[fmt == 2], blocks = (M + cap - 1) / cap, rows = (M + blocks - 1) / blocks;
     const int np = PANELS[fmt == 2][rows], panels = N / VW, groups = (panels + np - 1) / np;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -269,8 +294,9 @@ int zserve_qlinear_i8(const float *x, long ldx, int M, const void *q, const void
             const float *b = bias ? bias + p * VW : 0;
             for (int m0 = 0; m0 < M; m0 += rows) {
                 const int mb = M - m0 < rows ? M - m0 : rows;
-                table[mb][width](xq + (long)m0 * K, xa + (long)m0 * K, dx + (long)m0 * KB, xs + (long)m0 * KB,
-                                 sq + (long)m0 * KB, K, qp, sp, mp, b, y + (long)m0 * ldy + p * VW, ldy);
+                table[mb][width](xq + (long)m0 * K * terms, xa + (long)m0 * K * terms, dx + (long)m0 * KB,
+                                 xs + (long)m0 * KB, sq + (long)m0 * KB * terms, K, qp, sp, mp, b,
+                                 y + (long)m0 * ldy + p * VW, ldy);
             }
         }
     }
@@ -292,11 +318,13 @@ def source(isa: str, schedules: tuple | None = None, dual: int | None = None, pr
         cap, panels = schedules[fmt == 2]
         return sorted({(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)})
 
-    def table(fmt: int, half: int) -> str:
+    def table(fmt: int, half: int, res: int) -> str:
         have = set(tiles(fmt))
         rows = (
             "        {"
-            + ", ".join(f"itile_{mb}_{np}_{fmt}_{half}" if (mb, np) in have else "0" for np in range(max_panels + 1))
+            + ", ".join(
+                f"itile_{mb}_{np}_{fmt}_{half}_{res}" if (mb, np) in have else "0" for np in range(max_panels + 1)
+            )
             + "},"
             for mb in range(cap + 1)
         )
@@ -315,9 +343,14 @@ def source(isa: str, schedules: tuple | None = None, dual: int | None = None, pr
         + " int, const void *, const void *, const void *, const float *, float *, long);\n"
         + native_quant._CONVERT
         + _DOT
-        + "\n".join(f"ITILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in tiles(fmt))
-        + f"\nstatic const itile_fn ITILES[{len(combos)}][{cap + 1}][{max_panels + 1}] = {{\n"
-        + "\n".join(table(fmt, half) for fmt, half in combos)
+        + "\n".join(
+            f"ITILE({mb}, {np}, {fmt}, {half}, {res})"
+            for res in (0, 1)
+            for fmt, half in combos
+            for mb, np in tiles(fmt)
+        )
+        + f"\nstatic const itile_fn ITILES[2][{len(combos)}][{cap + 1}][{max_panels + 1}] = {{\n"
+        + "\n".join("{" + "\n".join(table(fmt, half, res) for fmt, half in combos) + "}," for res in (0, 1))
         + "\n};\n"
         + _ENTRY
     )
@@ -332,9 +365,9 @@ def _library(isa: str, schedules: tuple | None = None) -> ctypes.CDLL | None:
         return None
     ptr, c_long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.zserve_qlinear_i8.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, c_int, c_int, ptr, ptr, c_long,
-                                      c_int]  # fmt: skip
+                                      c_int, c_int]  # fmt: skip
     lib.zserve_qlinear_i8.restype = c_int
-    lib.zserve_quantize_rows.argtypes = [ptr, c_long, c_int, c_int, ptr, ptr]
+    lib.zserve_quantize_rows.argtypes = [ptr, c_long, c_int, c_int, c_int, ptr, ptr]
     lib.zserve_quantize_rows.restype = None
     lib.zserve_qlinear_i8_path.restype = ctypes.c_char_p
     return lib
@@ -361,7 +394,9 @@ def applies(q: torch.Tensor, out_features: int, in_features: int, isa: str) -> b
 class PackedI8(native_quant.Packed):
     """A weight in this kernel's layout for ``isa``: ``q`` [N/W, K/32, 8, W, 4] int8 (``i8``, ``i8m``) or
     [N/W, K/32, 4, W, 4] uint8 (``u4m``: inputs 0-15 of a block low nibbles, 16-31 high); ``s``, ``m`` as
-    ``native_quant.Packed``'s."""
+    ``native_quant.Packed``'s; ``terms``: the activations in 1 or 2 terms of int8 (``TERMS``)."""
+
+    terms: int = 2
 
     @property
     def width(self) -> int:
@@ -394,9 +429,10 @@ class PackedI8(native_quant.Packed):
 
 
 def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: str | None = None,
-         bits: int = 8) -> PackedI8:  # fmt: skip
+         bits: int = 8, terms: int = TERMS) -> PackedI8:  # fmt: skip
     """(q [N, K] integers, s and m [N, K/32] or m None) -> this kernel's layout for ``isa``, in the format
-    ``native_quant.pack`` would choose (``u4m`` where ``bits`` is 4, else ``i8`` / ``i8m``)."""
+    ``native_quant.pack`` would choose (``u4m`` where ``bits`` is 4, else ``i8`` / ``i8m``), its activations
+    to be quantised in ``terms`` terms."""
     isa = isa or native_quant.default_isa()
     width = c_build.ISAS[isa].width
     n, k = q.shape
@@ -412,42 +448,54 @@ def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: s
         qp, fmt = v.contiguous(), "i8" if m is None else "i8m"
     half = native_quant._exact_half(s) and (m is None or native_quant._exact_half(m))
     sp = native_quant.pack_blocks(s, isa, half)
-    return PackedI8(fmt, qp, sp, None if m is None else native_quant.pack_blocks(m, isa, half), isa)
+    return PackedI8(fmt, qp, sp, None if m is None else native_quant.pack_blocks(m, isa, half), isa, terms)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> (xq [M, K] int8, d [M, K/32] fp32) as the kernel quantises it: per block of 32,
-    d = max |x| / 127 and xq = x * (1 / d) rounded to nearest even (the same fp32 operations: the same bits)."""
+def quantize_activations(x: torch.Tensor, terms: int = TERMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq [M, terms * K] int8, d [M, K/32] fp32) as the kernel quantises it: per block of 32,
+    d = max |x| / 127 and xq = x * (1 / d) rounded to nearest even (the same fp32 operations: the same bits);
+    where ``terms`` is 2, each row's second K values the rest, (x - d xq) * (128 / d) rounded (x - d xq as one
+    fused multiply-add: exact in float64, then rounded once), so that x ~ d (xq + xr / 128)."""
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // BLOCK, BLOCK)
     d = blocks.abs().amax(dim=2) / 127.0
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
-    xq = torch.round(blocks * inv.unsqueeze(2)).to(torch.int8)
-    return xq.reshape(rows, k), d
+    xq = torch.round(blocks * inv.unsqueeze(2))
+    if terms == 1:
+        return xq.to(torch.int8).reshape(rows, k), d
+    rest = (blocks.double() - xq.double() * d.double().unsqueeze(2)).float()
+    xr = torch.round(rest * (inv * 128.0).unsqueeze(2)).clamp_(-127, 127)
+    return torch.cat([xq.reshape(rows, k), xr.reshape(rows, k)], dim=1).to(torch.int8), d
+
+
+def dequantize_activations(xq: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """What ``quantize_activations``' (xq, d) stand for, [M, K] float64: d (xq + xr / 128), or d xq."""
+    k = d.shape[1] * BLOCK
+    scale = d.double().repeat_interleave(BLOCK, dim=1)
+    x = xq[:, :k].double() * scale
+    return x if xq.shape[1] == k else x + xq[:, k:].double() * scale / 128
 
 
 def reference(
     x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, terms: int = TERMS,
 ) -> torch.Tensor:  # fmt: skip
     """What the kernel computes, in float64: x [M, K] quantised (``quantize_activations``) times the weights
     q * s [N, K], plus each block's minimum times the block's exact sum of x (and ``bias``)."""
-    xq, d = quantize_activations(x)
-    xd = xq.double() * d.double().repeat_interleave(BLOCK, dim=1)
-    y = xd @ native_quant.dequantize(q, s).double().T
+    y = dequantize_activations(*quantize_activations(x, terms)) @ native_quant.dequantize(q, s).double().T
     if m is not None:
         sums = x.double().reshape(x.shape[0], -1, BLOCK).sum(dim=2)
         y += sums @ m.double().T
     return y if bias is None else y + bias.double()
 
 
-def quantize_in_c(x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_in_c(x: torch.Tensor, isa: str | None = None, terms: int = TERMS) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_activations`` as the C kernel does it (what the tests compare against torch's)."""
     lib = _library(isa or native_quant.default_isa())
     x = x.float().contiguous()
-    xq = torch.empty(x.shape, dtype=torch.int8)
+    xq = torch.empty(x.shape[0], terms * x.shape[1], dtype=torch.int8)
     d = torch.empty(x.shape[0], x.shape[1] // BLOCK)
-    lib.zserve_quantize_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xq.data_ptr(), d.data_ptr())
+    lib.zserve_quantize_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], terms, xq.data_ptr(), d.data_ptr())
     return xq, d
 
 
@@ -466,7 +514,7 @@ def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Ten
     if count:
         rc = _library(w.isa).zserve_qlinear_i8(
             rows.data_ptr(), rows.stride(0), count, *args, None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-            torch.get_num_threads(),
+            torch.get_num_threads(), w.terms,
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"int8 quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")

@@ -49,7 +49,8 @@ class QuantLinear(nn.Module):
         # the kernel's view of the buffers below (CPU only: a QuantLinear is never moved), or None on torch
         self.packed: native_quant.Packed | None = None
         self.fmt = ""  # the kernel's format (native_quant.FORMATS) where it runs
-        # its activations where the kernel runs: fp32 (native_quant) or int8 (native_quant_i8), measured per shape
+        # its activations where the kernel runs: fp32 (native_quant) or int8 (native_quant_i8: two terms, or one
+        # where forced to int8x1), measured per shape
         self.activations = ""
         if self.native:
             self.activations = kernel_choice.FP32
@@ -59,8 +60,11 @@ class QuantLinear(nn.Module):
                 self.activations = kernel_tune.quant_path(
                     self.out_features, self.in_features, bits, minimums, half, self.isa
                 )
-            kernel = native_quant_i8 if self.activations == kernel_choice.INT8 else native_quant
-            self.packed = kernel.pack(q, s, m, self.isa, bits)
+            if self.activations == kernel_choice.FP32:
+                self.packed = native_quant.pack(q, s, m, self.isa, bits)
+            else:
+                terms = 1 if self.activations == kernel_choice.INT8_ONE else 2
+                self.packed = native_quant_i8.pack(q, s, m, self.isa, bits, terms)
             self.fmt, q, s, m = self.packed.fmt, self.packed.q, self.packed.s, self.packed.m
         else:
             s, m = s.float(), None if m is None else m.float()
@@ -102,7 +106,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            kernel = native_quant_i8 if self.activations == kernel_choice.INT8 else native_quant
+            kernel = native_quant if self.activations == kernel_choice.FP32 else native_quant_i8
             return kernel.linear(x, self.packed, self.bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
