@@ -4,10 +4,13 @@ priority travels in Batch.priorities to the engine's scheduler, which gives it l
 The broker admits every request to the engine at once (max_running is above their number), so its own queue
 order plays no part here. Prefix caching is off so that a preempted sequence is recomputed whole and waits for
 blocks (with it, it takes its own cached blocks back at once and nobody waits long). Without the priority
-reaching the engine (checked by sending none), the urgent request finishes after two of them."""
+reaching the engine (checked by sending none), the urgent request finishes after two of them. The engine ages
+sequences by the broker's `priority_aging_ms` (passed on its command line): at 1 us a level, the background's
+priority of 1000 is worth 1 ms of waiting, so the urgent request, seconds younger, no longer goes first."""
 
 from __future__ import annotations
 
+import pytest
 from test_generate_engine import health, wait_for
 from tinylm import build_tiny_lm
 
@@ -15,6 +18,7 @@ TOML = """
 [broker]
 heartbeat_interval_ms = 100
 heartbeat_liveness = 5
+priority_aging_ms = {aging_ms}
 
 [[models]]
 name = "lm"
@@ -30,8 +34,11 @@ prefix_caching = false
 """
 
 
-def test_an_urgent_request_overtakes_background_sequences_in_a_full_engine(cluster_factory, tmp_path):
-    c = cluster_factory(TOML.format(path=build_tiny_lm(tmp_path / "tinylm")))
+@pytest.mark.parametrize(("aging_ms", "overtakes"), [(1000, True), (0.001, False)], ids=["aging-1s", "aging-1us"])
+def test_an_urgent_request_overtakes_background_sequences_in_a_full_engine(
+    cluster_factory, tmp_path, aging_ms, overtakes
+):
+    c = cluster_factory(TOML.format(path=build_tiny_lm(tmp_path / "tinylm"), aging_ms=aging_ms))
     c.start_broker()
     c.start_engine("lm", 0)
     c.wait_ready({"lm": 1})
@@ -50,7 +57,10 @@ def test_an_urgent_request_overtakes_background_sequences_in_a_full_engine(clust
     answer = urgent.result(timeout=120)
     finished_before = sum(f.done() for f in background)
     assert answer["generated_length"] == 8
-    assert finished_before == 0, f"{finished_before} background sequences finished before the urgent one"
+    if overtakes:
+        assert finished_before == 0, f"{finished_before} background sequences finished before the urgent one"
+    else:  # their priority is worth 1 ms of waiting: they arrived seconds earlier, so they go first
+        assert finished_before >= 1, "the urgent request went first although the broker's aging made it the youngest"
     for f in background:
         assert f.result(timeout=120)["generated_length"] == 300
     wait_for(lambda: health(client).free_kv_blocks == 48)

@@ -75,6 +75,7 @@ def test_command_lines_and_environment(deployment):
     assert echo0.argv[:3] == (sys.executable, "-m", "zserve.workers.engine")
     assert arg(echo0.argv, "--name") == "engine-echo-0" and arg(echo0.argv, "--device") == "cpu"
     assert arg(echo0.argv, "--work-endpoint") == e.work and arg(echo0.argv, "--heartbeat-interval-ms") == "100"
+    assert arg(echo0.argv, "--priority-aging-ms") == "1000"  # [broker]'s, so that engines age sequences alike
     assert echo0.env == {"OMP_NUM_THREADS": "3"}
     assert (
         echo1.env == {"OMP_NUM_THREADS": "3", "CUDA_VISIBLE_DEVICES": "1"} and arg(echo1.argv, "--device") == "cuda:0"

@@ -183,7 +183,8 @@ class Deployment:
                 "--model-json", msgspec.json.encode(model).decode(), "--device", device,
                 "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
                 "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
-                "--heartbeat-liveness", str(b.heartbeat_liveness), *self.worker_args]  # fmt: skip
+                "--heartbeat-liveness", str(b.heartbeat_liveness),
+                "--priority-aging-ms", f"{b.priority_aging_ms:g}", *self.worker_args]  # fmt: skip
 
     def workers(self) -> list[ChildSpec]:
         """Every engine and stage process, model by model."""

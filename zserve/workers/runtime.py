@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from zserve.batching.fair_share import DEFAULT_AGING_S
 from zserve.config import ModelConfig
 from zserve.errors import EXIT_CANNOT_LOAD, ModelLoadError
 from zserve.frames import pack, received
@@ -84,6 +85,7 @@ class WorkerLink:
         self.failed = False  # a thread of the runner died: the process exits 1 and its supervisor restarts it
         self.busy = False
         self.threads = 1  # torch intra-op threads of the runner's compute thread (run_worker sets it)
+        self.priority_aging_s = DEFAULT_AGING_S  # the broker's [broker] priority_aging_ms (run_worker sets it)
         self.registered = threading.Event()
         self.leaving = threading.Event()  # SIGTERM: leave (see the module's docstring)
         self.state_dir = os.environ.get("ZSERVE_WORKER_STATE_DIR", "")
@@ -341,6 +343,10 @@ def run_worker(
     parser.add_argument("--credits", type=int, default=None, help="default: the model's credits")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=250)
     parser.add_argument("--heartbeat-liveness", type=int, default=4)
+    parser.add_argument(
+        "--priority-aging-ms", type=float, default=DEFAULT_AGING_S * 1000.0,
+        help="[broker] priority_aging_ms: a generative engine orders its queued sequences as the broker does",
+    )  # fmt: skip
     parser.add_argument("--curve-key", default="", help="this host's NAME.key_secret, for tcp endpoints")
     parser.add_argument("--broker-key", default="", help="the broker's public NAME.key, for tcp endpoints")
     args = parser.parse_args(argv)
@@ -368,6 +374,10 @@ def run_worker(
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_liveness=args.heartbeat_liveness,
     )
+    if args.priority_aging_ms <= 0:
+        log.error("--priority-aging-ms must be > 0, not %g", args.priority_aging_ms)
+        return 2
+    link.priority_aging_s = args.priority_aging_ms / 1000.0
     link.install_signal_handlers()
     started = time.monotonic()
     log.info("loading %s %s (%s) on %s, %d thread(s)", role, config.name, config.handler, args.device, config.threads)

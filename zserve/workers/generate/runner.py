@@ -127,6 +127,8 @@ class GenerationRunner:
         link.kv_blocks = self.core.num_blocks
         link.free_kv_blocks = self.core.free_blocks
         self.core.blocks.report_events()  # from now on, every step reports what its prefix cache changed
+        # the broker's aging, so that the engine orders queued sequences as the broker ordered their requests
+        self.core.scheduler.aging_s = link.priority_aging_s
         link.cache_snapshot = self._cache_snapshot
         # started before the engine registers: the tokenizer's info for grammars is built now, and the compiler
         # process has started, not on the first structured request
