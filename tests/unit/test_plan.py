@@ -117,6 +117,18 @@ def test_a_worker_host_runs_only_its_workers_named_for_the_host_with_nothing_to_
     assert children[0].argv[-2:] == ("--curve-key", "k")
 
 
+def test_a_worker_hosts_engines_age_sequences_as_its_broker_section_says(tmp_path):
+    from zserve.deploy.worker_host import load_workers_config, worker_host_plan
+
+    path = tmp_path / "workers.toml"
+    path.write_text(
+        '[broker]\nwork_endpoint = "tcp://10.0.0.1:5556"\nout_endpoint = "tcp://10.0.0.1:5557"\ninsecure = true\n'
+        'priority_aging_ms = 250\n\n[[models]]\nname = "echo"\nhandler = "zserve.models.echo:Echo"\n'
+    )
+    [engine] = worker_host_plan(load_workers_config(path), path).children()
+    assert arg(engine.argv, "--priority-aging-ms") == "250"
+
+
 def test_a_broken_handler_fails_the_plan_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"models\[bad\]"):
         plan(parse_config('[[models]]\nname = "bad"\nhandler = "nowhere.at_all:Model"\n'), tmp_path / "s.toml")

@@ -20,6 +20,7 @@ from zserve.config import (
     ConfigError,
     Endpoints,
     ModelConfig,
+    PositiveFloat,
     PositiveInt,
     SupervisorConfig,
     _Section,
@@ -40,6 +41,7 @@ class RemoteBrokerConfig(_Section, kw_only=True):
     insecure: bool = False  # plain tcp (the broker must say insecure = true as well)
     heartbeat_interval_ms: PositiveInt = 250  # as the broker's
     heartbeat_liveness: PositiveInt = 4
+    priority_aging_ms: PositiveFloat = 1000.0  # as the broker's: engines age queued sequences alike
 
     def __post_init__(self) -> None:
         for key in ("work_endpoint", "out_endpoint"):
@@ -72,7 +74,11 @@ def worker_host_plan(workers: WorkersConfig, config_path: str | os.PathLike[str]
     r = workers.broker
     config = Config(
         supervisor=workers.supervisor,
-        broker=BrokerConfig(heartbeat_interval_ms=r.heartbeat_interval_ms, heartbeat_liveness=r.heartbeat_liveness),
+        broker=BrokerConfig(
+            heartbeat_interval_ms=r.heartbeat_interval_ms,
+            heartbeat_liveness=r.heartbeat_liveness,
+            priority_aging_ms=r.priority_aging_ms,
+        ),
         models=workers.models,
     )
     check_devices(workers.models)
