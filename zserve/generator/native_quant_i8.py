@@ -97,10 +97,17 @@ static inline vb i8_prep(vb w) { return w ^ (uint8_t)0x80; }
 static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) { (void)xa; return dot_u(acc, w, x); }
 #elif VW == 8 && defined(__AVX2__)
 #define INT_PATH "avx2"
+#define HAVE_DOT16
 static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
     const __m256i p = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x)));
     return acc + (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
+/* 4-bit weights: a block's vpmaddubsw pairs summed in 16 bits (8 of them at most 8 * 2 * 15 * 127 < 2^15), one
+   vpmaddwd a block rather than one a pair */
+static inline vfi dot16(vfi h, vb w, const int8_t *x) {
+    return (vfi)_mm256_add_epi16((__m256i)h, _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x))));
+}
+static inline vfi widen16(vfi h) { return (vfi)_mm256_madd_epi16((__m256i)h, _mm256_set1_epi16(1)); }
 #define I8_OFFSET 0
 static inline vb i8_prep(vb w) { return w; }
 /* |x| times w with x's sign (llama.cpp's mul_sum_i8_pairs): maddubs wants its first operand unsigned */
@@ -125,6 +132,10 @@ static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) {
                   (int8_t)w[4 * l + 3] * x[3];
     return acc;
 }
+#endif
+#ifndef HAVE_DOT16
+static inline vfi dot16(vfi h, vb w, const int8_t *x) { return dot_u(h, w, x); }
+static inline vfi widen16(vfi h) { return h; }
 #endif
 const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
 
@@ -171,16 +182,18 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
                         const int8_t *x = xq + m * ldq + kb * 32 + 4 * j;                                    \
                         for (int p = 0; p < NP; p++) {                                                       \
                             if (RES) {                                                                       \
-                                ia[m][p] = dot_u(dot_u(ia[m][p], lo[p], x), hi[p], x + 16);                  \
-                                ib[m][p] = dot_u(dot_u(ib[m][p], lo[p], x + K), hi[p], x + K + 16);          \
+                                ia[m][p] = dot16(dot16(ia[m][p], lo[p], x), hi[p], x + 16);                  \
+                                ib[m][p] = dot16(dot16(ib[m][p], lo[p], x + K), hi[p], x + K + 16);          \
                             } else if (two) {                                                                \
-                                ia[m][p] = dot_u(ia[m][p], lo[p], x);                                        \
-                                ib[m][p] = dot_u(ib[m][p], hi[p], x + 16);                                   \
+                                ia[m][p] = dot16(ia[m][p], lo[p], x);                                        \
+                                ib[m][p] = dot16(ib[m][p], hi[p], x + 16);                                   \
                             } else                                                                           \
-                                ia[m][p] = dot_u(dot_u(ia[m][p], lo[p], x), hi[p], x + 16);                  \
+                                ia[m][p] = dot16(dot16(ia[m][p], lo[p], x), hi[p], x + 16);                  \
                         }                                                                                    \
                     }                                                                                        \
                 }                                                                                            \
+                for (int m = 0; m < MB; m++)                                                                 \
+                    for (int p = 0; p < NP; p++) ia[m][p] = widen16(ia[m][p]), ib[m][p] = widen16(ib[m][p]); \
             } else {                                                                                         \
                 for (int j = 0; j < 8; j++) {                                                                \
                     vb w[NP];                                                                                \
