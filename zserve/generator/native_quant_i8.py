@@ -8,15 +8,18 @@ even), and each block's product of integers is one instruction a 4 inputs and VW
 - AVX-512 VNNI (and AVX-VNNI's 256-bit form): ``vpdpbusd`` (unsigned bytes times signed bytes, four a 32-bit
   lane, added in): 4-bit weights (0..15) are the unsigned operand as they are; 8-bit ones are made unsigned
   by flipping their top bit (q + 128) and the block's sum of xq times 128 taken off again, exactly;
-- AVX2: ``vpmaddubsw`` + ``vpmaddwd``: 4-bit weights as they are; 8-bit ones as llama.cpp does, |xq| times
-  the weight with xq's sign (no 16-bit sum can overflow: 2 * 127 * 127 < 2^15);
+- AVX2: ``vpmaddubsw`` + ``vpmaddwd``: 4-bit weights as they are (a block's 16-bit pairs summed before one
+  ``vpmaddwd``); 8-bit ones as llama.cpp does, |xq| times the weight with xq's sign (no 16-bit sum can
+  overflow: 2 * 127 * 127 < 2^15);
 - portable C elsewhere (the same integers, one lane at a time; the tuner keeps the fp32 kernel there).
 
 A block's int32 sum is then converted once and added in fp32 times the weight's scale and the row's d; the
 minimums (Q4_0 / Q4_1 / Q4_K) are added once a block, times the exact fp32 sum of x over it (llama.cpp uses
-d times the sum of xq: ours loses nothing there). So the result is the product of the dequantised weights
-with the int8-quantised activations, to fp32 rounding (``reference``); against fp32 activations each output
-moves by at most sum over blocks of d / 2 * sum |w| over the block.
+d times the sum of xq: ours loses nothing there). The activations are quantised in two terms by default
+(``TERMS``): x ~ d (xq + xr / 128), xr the rounding rest of xq in 1/128 of d, both int8, each block's two sums
+meeting as 128 sum1 + sum2 in int32. So the result is the product of the dequantised weights with the
+quantised activations, to fp32 rounding (``reference``); against fp32 activations each output moves by at most
+sum over blocks of d / 256 (one term: d / 2) times the block's sum of |w|.
 
 The weights are in panels of VW outputs (the ISA's int32 lanes, as the floats of ``native_quant``), laid out
 for the instruction: ``i8`` [N/VW][K/32][8][VW][4] (four consecutive inputs of one output in a 32-bit lane),
@@ -24,7 +27,7 @@ for the instruction: ``i8`` [N/VW][K/32][8][VW][4] (four consecutive inputs of o
 Scales and minimums as ``native_quant``'s ([N/VW][K/32][VW], fp16 where exact): the same bytes a weight.
 
 Which kernel runs a layer is measured when the layer is made (``kernel_tune.quant_path``), or forced with
-``ZSERVE_QUANT_ACTIVATIONS=int8|fp32``.
+``ZSERVE_QUANT_ACTIVATIONS=int8|int8x1|fp32`` (int8x1: one term).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from zserve.generator import c_build, native_quant
 BLOCK = native_quant.BLOCK
 # The activations in two terms of int8 by default, x ~ d (xq + xr / 128): one term alone moved SmolLM2-135M
 # Q4_1's logits too far from the fp32-activation product (cosine per step min 0.933, greedy tokens the same at
-# 93.2% of positions, perplexity +1.48%); two are as exact as fp32 activations for a decode step (sum over
-# blocks of d / 512 * sum |w|), at twice the integer products, cheap while a step reads its weights from memory
+# 93.2% of positions, perplexity +1.48%); in two (each output within sum over blocks of d / 256 * sum |w| of the
+# fp32-activation product) 0.999995, 99.84%, -0.014%, at twice the integer products: free while a step reads its
+# weights from memory (1 row), 1.3-1.5x the fp32-activation kernel's speed at 256 rows on AVX-512
 TERMS = 2
 FORMATS = ("i8", "i8m", "u4m")  # as native_quant's: 8-bit, 8-bit with minimums, 4-bit two a byte with minimums
 
