@@ -461,13 +461,14 @@ def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tenso
     """``x`` [..., K] fp32 through the ``pack``-ed weight ``w`` (and a contiguous fp32 ``bias`` [N], or None)."""
     args = w.call_args
     n, k = args[5], args[6]
-    rows = x.reshape(-1, k)
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, k)
     if rows.dtype != torch.float32:
         rows = rows.float()
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     count = rows.shape[0]
-    y = torch.empty(count, n, dtype=torch.float32)
+    y = torch.empty((count, n), dtype=torch.float32)
     if count:
         rc = _library(w.isa).zserve_qlinear(
             rows.data_ptr(), rows.stride(0), count, *args, None if bias is None else bias.data_ptr(), y.data_ptr(), n,
@@ -475,4 +476,4 @@ def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tenso
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
-    return y.view(*x.shape[:-1], n)
+    return y if flat else y.view(*x.shape[:-1], n)

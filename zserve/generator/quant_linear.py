@@ -107,7 +107,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             kernel = native_quant if self.activations == kernel_choice.FP32 else native_quant_i8
-            return kernel.linear(x, self.packed, self.bias).to(x.dtype)
+            y = kernel.linear(x, self.packed, self.bias)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
 
