@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
 
 ENGINE = "engine"
 PREPROCESS = "preprocess"
@@ -226,8 +226,13 @@ class WorkerPool:
     def _rank(self, worker: Worker) -> None:
         """After a change of ``worker``'s rank: a new entry replaces its old one in its models' heaps."""
         old = self._entry[worker.worker_id]  # a worker of the pool: only those finish, report or are chosen
-        old[5] = None
         heaps = old[6]
+        if len(heaps) == 1 and heaps[0] and heaps[0][0] is old:
+            # at the top of its one heap (the worker chosen last): renewed in place, no entry to drop later
+            old[0], old[1], old[2] = len(worker.in_flight), -worker.free_kv_blocks, worker.last_dispatch_s
+            heapreplace(heaps[0], old)
+            return
+        old[5] = None
         entry = [len(worker.in_flight), -worker.free_kv_blocks, worker.last_dispatch_s, old[3], next(self._pushed),
                  worker, heaps]  # fmt: skip
         self._entry[worker.worker_id] = entry
