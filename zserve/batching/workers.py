@@ -64,10 +64,10 @@ class WorkerPool:
         # a heap of rank entries [batches held, -free KV blocks, last dispatch, registration number (ties go to
         # the first registered, the pool's order), push number (never equal, so what follows is never compared),
         # worker, the heaps it is in]. A worker's entry is a lower bound of its rank: when its rank falls (a batch
-        # finished, more free KV blocks) a new entry replaces it at once (the old one is marked dead: worker None);
-        # when it rises (a batch started, fewer free KV blocks) the entry is renewed only once it reaches the top.
-        # Dead entries, and live ones without credit (pushed again when one of their batches finishes), are
-        # dropped when they reach the top.
+        # finished, more free KV blocks) it is renewed at once: in place at the top of its one heap, else a new
+        # entry replaces it (the old one is marked dead: worker None); when it rises (a batch started, fewer free
+        # KV blocks) the entry is renewed only once it reaches the top. Dead entries, and live ones without credit
+        # (pushed again when one of their batches finishes), are dropped when they reach the top.
         self._ranks: dict[tuple[str, str], list[list]] = {}
         self._entry: dict[bytes, list] = {}  # worker id -> its live entry, shared by its models' heaps
         self._registered = itertools.count()
@@ -224,7 +224,7 @@ class WorkerPool:
         return list(self._serving(model, ENGINE))
 
     def _rank(self, worker: Worker) -> None:
-        """After a change of ``worker``'s rank: a new entry replaces its old one in its models' heaps."""
+        """After a change of ``worker``'s rank: its entry renewed in its models' heaps."""
         old = self._entry[worker.worker_id]  # a worker of the pool: only those finish, report or are chosen
         heaps = old[6]
         if len(heaps) == 1 and heaps[0] and heaps[0][0] is old:
