@@ -1,5 +1,6 @@
-"""``WorkerPool.best`` keeps its ranking as work starts and finishes; it must choose what a scan of every worker
-chooses, the tie-breaks included, over any sequence of the pool's events."""
+"""``WorkerPool.best`` keeps its ranking as work starts and finishes, and ``expire`` scans only when someone may be
+silent for too long; they must do what a scan of every worker does, the tie-breaks included, over any sequence of
+the pool's events."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def _event(pool: WorkerPool, rng: random.Random, names: list[bytes], now: float,
     elif kind == 8:  # lost: disconnected, or silent past liveness
         if rng.random() < 0.5:
             pool.remove(rng.choice(workers).worker_id)
-        else:
-            pool.expire(now)
+        else:  # whether it scans or not, it expires the workers a scan finds silent
+            silent = [w for w in workers if now - w.last_seen_s > pool.liveness_s]
+            assert [w for w, _ in pool.expire(now)] == silent
     else:  # leaving (as the broker core marks it), and the workers that left with nothing held dismissed
         rng.choice(workers).leaving = True
         pool.left()
@@ -64,7 +66,7 @@ def test_best_is_the_scans_choice_over_random_events() -> None:
         names = [f"w{i}".encode() for i in range(rng.randrange(1, 9))]
         batch_ids: list[int] = []
         for step in range(300):
-            now = rng.choice((0.0, 0.5)) + step // 10 * 0.25  # repeated times: ties on the last dispatch
+            now = rng.choice((0.0, 0.5)) + step // 10 * 0.25  # repeated times: ties on the last dispatch (and back)
             if rng.random() < 0.3:
                 for w in pool.workers.values():
                     if rng.random() < 0.5:
