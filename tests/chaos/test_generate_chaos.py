@@ -163,9 +163,21 @@ class Generations:
 
 
 def test_engine_sigkill_mid_generation_answers_every_request_once(deployment):
+    before = route_decisions(deployment)
     gens = Generations(deployment).start_and_wait_for_text()
-    engines = processes(deployment, "--name engine-tiny-")
-    victim = engines[0]
+    # the victim is the engine the broker sent most of them to (the router may well have sent them all to one:
+    # killing the other would test nothing), read from its decision counters, which lag the broker a little
+    deadline = time.monotonic() + 10
+    while True:
+        sent: dict[str, float] = {}
+        for (engine, reason), n in route_decisions(deployment).items():
+            sent[engine] = sent.get(engine, 0) + n - before.get((engine, reason), 0)
+        if sum(sent.values()) >= STREAMS + PLAIN or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    holder = max(sent, key=lambda e: sent[e], default="")
+    assert sent.get(holder, 0) >= 1, sent
+    [victim] = processes(deployment, f"--name {holder} ")
     at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     gens.join()
