@@ -68,9 +68,15 @@ def _unwrap(t: mi.Type) -> mi.Type:
     return t.type if isinstance(t, mi.Metadata) else t
 
 
+def _number(value: float) -> str:
+    """A bound as a person writes it: 0, not 0.0. Also the one spelling whatever the import order: typing caches
+    ``Annotated[float, Meta(gt=0)]`` and ``Meta(gt=0.0)`` as one type (0 == 0.0), so a module may see the other's."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
 def _bounds(t: mi.IntType | mi.FloatType) -> str:
     ops = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-    return ", ".join(f"{op} {getattr(t, name)}" for name, op in ops if getattr(t, name) is not None)
+    return ", ".join(f"{op} {_number(getattr(t, name))}" for name, op in ops if getattr(t, name) is not None)
 
 
 def type_name(t: mi.Type) -> str:
