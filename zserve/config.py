@@ -25,6 +25,9 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+# A priority level's worth of waiting, in ms: finite (at most a day), as ranks are ``arrival + priority * aging``
+# and inf * 0 would be NaN, which orders nothing
+AgingMs = Annotated[float, Meta(gt=0, le=86_400_000)]
 T = TypeVar("T")
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -91,7 +94,7 @@ class BrokerConfig(_Section, kw_only=True):
     """Times a lost worker's batch is sent to another worker before its requests are answered `engine_lost`."""
     drain_timeout_s: NonNegativeFloat = 10.0
     """On stop, how long the broker waits for in-flight work before answering the rest `shutting_down`."""
-    priority_aging_ms: PositiveFloat = 1000.0
+    priority_aging_ms: AgingMs = 1000.0
     """How long a queued request waits to count as one `priority` level more urgent, so that a stream of urgent
     requests delays a less urgent one by at most about this times the difference of their priorities. See
     [priorities](http-api.md#priorities-tenants-and-quotas)."""

@@ -78,3 +78,11 @@ def test_msgspecs_error_text_is_read_in_one_place(body, parts, field):
     with pytest.raises(msgspec.ValidationError) as info:
         msgspec.convert(body, _Body)
     assert validation_parts(info.value) == parts and field_of(info.value) == field
+
+
+@pytest.mark.parametrize("value", ["inf", "86400001", "0"])
+def test_priority_aging_must_be_finite_and_positive(value):
+    """Ranks are arrival + priority * aging: with inf, 0 * inf is NaN and the engines' queues lose their order."""
+    with pytest.raises(ConfigError, match="priority_aging_ms"):
+        parse_config(f"[broker]\npriority_aging_ms = {value}\n" + MODEL)
+    assert parse_config("[broker]\npriority_aging_ms = 86400000\n" + MODEL).broker.priority_aging_ms == 86_400_000

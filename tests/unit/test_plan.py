@@ -75,7 +75,7 @@ def test_command_lines_and_environment(deployment):
     assert echo0.argv[:3] == (sys.executable, "-m", "zserve.workers.engine")
     assert arg(echo0.argv, "--name") == "engine-echo-0" and arg(echo0.argv, "--device") == "cpu"
     assert arg(echo0.argv, "--work-endpoint") == e.work and arg(echo0.argv, "--heartbeat-interval-ms") == "100"
-    assert arg(echo0.argv, "--priority-aging-ms") == "1000"  # [broker]'s, so that engines age sequences alike
+    assert arg(echo0.argv, "--priority-aging-ms") == "1000.0"  # [broker]'s, so that engines age sequences alike
     assert echo0.env == {"OMP_NUM_THREADS": "3"}
     assert (
         echo1.env == {"OMP_NUM_THREADS": "3", "CUDA_VISIBLE_DEVICES": "1"} and arg(echo1.argv, "--device") == "cuda:0"
@@ -126,7 +126,7 @@ def test_a_worker_hosts_engines_age_sequences_as_its_broker_section_says(tmp_pat
         'priority_aging_ms = 250\n\n[[models]]\nname = "echo"\nhandler = "zserve.models.echo:Echo"\n'
     )
     [engine] = worker_host_plan(load_workers_config(path), path).children()
-    assert arg(engine.argv, "--priority-aging-ms") == "250"
+    assert arg(engine.argv, "--priority-aging-ms") == "250.0"
 
 
 def test_a_broken_handler_fails_the_plan_by_name(tmp_path):

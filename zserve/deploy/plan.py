@@ -184,7 +184,7 @@ class Deployment:
                 "--work-endpoint", self.endpoints.work, "--out-endpoint", self.endpoints.out,
                 "--heartbeat-interval-ms", str(b.heartbeat_interval_ms),
                 "--heartbeat-liveness", str(b.heartbeat_liveness),
-                "--priority-aging-ms", f"{b.priority_aging_ms:g}", *self.worker_args]  # fmt: skip
+                "--priority-aging-ms", repr(b.priority_aging_ms), *self.worker_args]  # fmt: skip
 
     def workers(self) -> list[ChildSpec]:
         """Every engine and stage process, model by model."""

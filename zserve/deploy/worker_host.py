@@ -15,12 +15,12 @@ from pathlib import Path
 import msgspec
 
 from zserve.config import (
+    AgingMs,
     BrokerConfig,
     Config,
     ConfigError,
     Endpoints,
     ModelConfig,
-    PositiveFloat,
     PositiveInt,
     SupervisorConfig,
     _Section,
@@ -41,7 +41,7 @@ class RemoteBrokerConfig(_Section, kw_only=True):
     insecure: bool = False  # plain tcp (the broker must say insecure = true as well)
     heartbeat_interval_ms: PositiveInt = 250  # as the broker's
     heartbeat_liveness: PositiveInt = 4
-    priority_aging_ms: PositiveFloat = 1000.0  # as the broker's: engines age queued sequences alike
+    priority_aging_ms: AgingMs = 1000.0  # as the broker's: engines age queued sequences alike
 
     def __post_init__(self) -> None:
         for key in ("work_endpoint", "out_endpoint"):

@@ -374,8 +374,8 @@ def run_worker(
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_liveness=args.heartbeat_liveness,
     )
-    if args.priority_aging_ms <= 0:
-        log.error("--priority-aging-ms must be > 0, not %g", args.priority_aging_ms)
+    if not 0 < args.priority_aging_ms <= 86_400_000:  # as [broker]'s; NaN and inf fail too
+        log.error("--priority-aging-ms must be > 0 and at most a day (86400000), not %r", args.priority_aging_ms)
         return 2
     link.priority_aging_s = args.priority_aging_ms / 1000.0
     link.install_signal_handlers()
