@@ -30,6 +30,14 @@ def test_max_tokens_is_read_once_from_the_typed_body():
     assert openai_params.chat_request(chat, max_n=8).max_new_tokens is None  # chat: the model's default
 
 
+def test_a_null_token_limit_is_the_models_own_as_before_the_typed_body():
+    """Left out: the route's default (16 for completions); null: no limit of the client's, the model's own
+    (``GenerateRequest``'s default), as the raw-dict code read it and vLLM does; the first name given wins."""
+    assert completions(max_tokens=None)[0].max_new_tokens is None
+    assert completions(max_completion_tokens=None, max_tokens=50)[0].max_new_tokens is None
+    assert completions(max_completion_tokens=7, max_tokens=None)[0].max_new_tokens == 7
+
+
 def test_openai_fields_map_to_the_generate_request():
     [r] = completions(top_k=-1, stop="x", seed=3, min_tokens=2, logit_bias={"5": 1.5}, logprobs=2, echo=True)
     assert (r.prompt, r.temperature, r.top_k, r.stop, r.seed, r.min_new_tokens) == ("hi", 1.0, 0, ["x"], 3, 2)

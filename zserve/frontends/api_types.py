@@ -115,8 +115,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     turns a body into its ``GenerateRequest``s."""
 
     model: str
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
+    # UNSET (left out) takes the route's default; null, the model's own (as before the typed body, and vLLM)
+    max_tokens: TokenCount | msgspec.UnsetType | None = msgspec.UNSET
+    max_completion_tokens: TokenCount | msgspec.UnsetType | None = msgspec.UNSET
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1)] | None = None

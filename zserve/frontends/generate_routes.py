@@ -445,8 +445,10 @@ class MiiResource(_GenerateRoute):
             named.append(deployment)
             raw = await read_json(req, self.max_body_bytes)
             body = decode_body(raw, MiiRequest)
-            unknown = next((key for key in raw if key not in MiiRequest.__struct_fields__), None)
-            if unknown is not None:  # after the decode: a body without `prompts` is told so first
+            # after the decode: a body without `prompts` is told so first; null is the default, known or not (MII
+            # clients send every field)
+            unknown = next((k for k, v in raw.items() if v is not None and k not in MiiRequest.__struct_fields__), None)
+            if unknown is not None:
                 raise BadRequest(f"Object contains unknown field `{unknown}`", field=unknown)
             prompts = body.prompts
             self.limits.check_inputs(deployment, len(prompts) if isinstance(prompts, list) else 1, "prompts", "prompts")

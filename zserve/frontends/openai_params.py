@@ -78,7 +78,9 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, default_max_token
         raise BadRequest("best_of is only supported equal to n", field="best_of")
     sampling: dict[str, Any] = {ours: getattr(body, theirs) for ours, theirs in _SAME
                                 if getattr(body, theirs) is not None}  # fmt: skip
-    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
+    # the first given, null included (null: the model's own limit); neither given: the route's default
+    given = [m for m in (body.max_completion_tokens, body.max_tokens) if m is not msgspec.UNSET]
+    max_tokens = given[0] if given else default_max_tokens
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
     sampling["temperature"] = 1.0 if body.temperature is None else body.temperature  # OpenAI's default is 1
