@@ -194,3 +194,25 @@ def test_an_nn_linear_quantised_per_channel_runs_int8_activations(monkeypatch):
         got = layer(x).double()
     rounding, _ = _bounds(x, q, s, None, linear.bias.detach())
     assert ((got - i8.reference(x, q, s, None, linear.bias.detach())).abs() <= rounding).all()
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", c_build.runnable())
+def test_a_nan_in_the_activations_comes_out_nan_and_a_vanishing_block_as_zeros(isa):
+    """A NaN in a row (a blow-up upstream) makes that row's outputs NaN, as the fp32 kernel's, rather than finite
+    garbage (its float->int conversion would be undefined in C); a block of values below 1e-28 quantises to zeros
+    (1 / d would overflow)."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 64)
+    x[0, 7] = float("nan")
+    x[2, :32] = 1e-35
+    xq, d = i8.quantize_in_c(x, isa, 2)
+    want_q, want_d = i8.quantize_activations(x, 2)
+    assert torch.equal(xq, want_q) and torch.equal(d.isnan(), want_d.isnan())
+    assert d[0, 0].isnan() and (xq[0, :32] == 0).all() and (xq[2, :32] == 0).all() and (xq[2, 64:96] == 0).all()
+    q, s, m, bits = _weights("i8", 16, 64)
+    w = i8.pack(q, s, m, isa, bits)
+    y = i8.linear(x, w, None)
+    assert y[0].isnan().all() and y[1:].isfinite().all()
+    with pytest.raises(ValueError, match="64"):
+        i8.linear(x[:, :32], w, None)

@@ -461,6 +461,8 @@ def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tenso
     """``x`` [..., K] fp32 through the ``pack``-ed weight ``w`` (and a contiguous fp32 ``bias`` [N], or None)."""
     args = w.call_args
     n, k = args[5], args[6]
+    if x.shape[-1] != k:  # the kernel reads K floats a row: a narrower row would be read past its end
+        raise ValueError(f"quantised linear: input of {x.shape[-1]} features for a weight of {k}")
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
     if rows.dtype != torch.float32:

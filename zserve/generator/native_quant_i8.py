@@ -248,15 +248,19 @@ static void quantize_rows(const float *x, long ldx, int m0, int m1, int K, int t
             const float *p = x + (long)m * ldx + kb * 32;
             float amax = 0.f, sum = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(p[i])), sum += p[i];
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f, id128 = id * 128.f;
+            /* a NaN or inf in the block (fmaxf skips NaN; the sum does not): d = NaN, so the block's product is
+               NaN as the fp32 kernel's would be, and no NaN reaches the float->int conversions (undefined in C).
+               A block below 1e-28 quantises to zeros (1 / d could overflow), its error below 1e-28 a weight */
+            const int finite = isfinite(sum) && isfinite(amax);
+            const float d = finite ? amax / 127.f : NAN, id = finite && d > 1e-30f ? 1.f / d : 0.f, id128 = id * 128.f;
             int32_t total = 0, rest = 0;
             int8_t *q = xq + (long)m * terms * K + kb * 32;
             uint8_t *a = xa + (long)m * terms * K + kb * 32;
             for (int i = 0; i < 32; i++) {
-                const int v = (int)rintf(p[i] * id);
+                const int v = id != 0.f ? (int)rintf(p[i] * id) : 0;
                 q[i] = (int8_t)v, a[i] = (uint8_t)abs(v), total += v;
                 if (terms == 2) {
-                    int r = (int)rintf(fmaf(-(float)v, d, p[i]) * id128);
+                    int r = id != 0.f ? (int)rintf(fmaf(-(float)v, d, p[i]) * id128) : 0;
                     r = r > 127 ? 127 : r < -127 ? -127 : r;
                     q[K + i] = (int8_t)r, a[K + i] = (uint8_t)abs(r), rest += r;
                 }
@@ -480,8 +484,13 @@ def quantize_activations(x: torch.Tensor, terms: int = TERMS) -> tuple[torch.Ten
     fused multiply-add: exact in float64, then rounded once), so that x ~ d (xq + xr / 128)."""
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(dim=2) / 127.0
-    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    finite = blocks.sum(dim=2).isfinite() & blocks.abs().amax(dim=2).isfinite()  # a NaN or inf: d = NaN, xq = 0
+    d = torch.where(
+        finite, blocks.abs().nan_to_num(0.0).amax(dim=2) / 127.0, torch.full_like(blocks[..., 0], torch.nan)
+    )
+    live = finite & (d > 1e-30)  # as the kernel: a block below 1e-28 quantises to zeros
+    inv = torch.where(live, 1.0 / torch.where(live, d, torch.ones_like(d)), torch.zeros_like(d))
+    blocks = torch.where(live.unsqueeze(2), blocks, torch.zeros_like(blocks))
     xq = torch.round(blocks * inv.unsqueeze(2))
     if terms == 1:
         return xq.to(torch.int8).reshape(rows, k), d
@@ -527,6 +536,8 @@ def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Ten
     # a decode step makes ~120 of these calls: each step below a few hundred ns (the call was 11 us, 3 of them C)
     kernel, args = w.entry
     n, k = args[5], args[6]
+    if x.shape[-1] != k:  # the kernel reads K floats a row: a narrower row would be read past its end
+        raise ValueError(f"quantised linear: input of {x.shape[-1]} features for a weight of {k}")
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
     if rows.dtype != torch.float32:
