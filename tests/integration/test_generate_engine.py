@@ -179,6 +179,22 @@ def test_async_client_generate_and_stream(cluster_factory, tiny_path, reference)
     assert "".join(deltas) == streamed.generated_text == responses[0].generated_text
 
 
+def test_a_decoded_body_of_another_shape_is_read_as_before(cluster_factory, tiny_path):
+    """A direct client's decoded body need not be a GenerateRequest's map: a prompt string is a prompt, as before the
+    typed contract; a map missing its prompt is a 400 naming the field."""
+    c = start(cluster_factory, tiny_path)
+
+    async def main():
+        async with zserve.AsyncClient(c.plan.endpoints.client) as client:
+            text = await client.infer("lm", "still serving", decoded=True)
+            with pytest.raises(zserve.BadRequest) as info:
+                await client.infer("lm", {"max_new_tokens": 2}, decoded=True)
+            return text, info.value
+
+    answer, error = asyncio.run(main())
+    assert answer.value["generated_length"] >= 1 and error.field == "prompt", (answer.value, error.message)
+
+
 def test_engine_killed_mid_generation_every_request_is_answered(cluster_factory, tiny_path):
     c = start(cluster_factory, tiny_path, engines=2)
     client = c.client()

@@ -154,3 +154,13 @@ class HangingLM(CausalLM):
             threading.Event().wait()
 
         core.step = step_or_hang
+
+
+class DictLM(CausalLM):
+    """A generative model written to the contract before 2026-12-07: decode_request returns a GenerateRequest-shaped
+    dict, not the struct (the frontends still hold it to [limits])."""
+
+    def decode_request(self, body: Any) -> dict[str, Any]:
+        import msgspec
+
+        return msgspec.to_builtins(super().decode_request(body))

@@ -23,7 +23,10 @@ def client(tmp_path_factory) -> falcon.testing.TestClient:
     settings = FrontendSettings(
         client_endpoint=f"ipc://{run}/client.sock",
         models=[
-            ServedModel(name="lm", handler="zserve.models.causal_lm:CausalLM", options={"path": str(run)}, max_inputs=4)
+            ServedModel(
+                name="lm", handler="zserve.models.causal_lm:CausalLM", options={"path": str(run)}, max_inputs=4
+            ),
+            ServedModel(name="dictlm", handler="testmodels:DictLM", options={"path": str(run)}),
         ],
         limits=LIMITS,
     )
@@ -74,3 +77,9 @@ def test_mii_takes_null_for_an_unknown_field_and_refuses_a_value(client):
     assert resp.status_code == 400 and resp.json["error"]["field"] == "prompts", resp.text
     resp = client.simulate_post("/mii/lm", json={"prompts": ["a"] * 5, "num_beams": 2})
     assert resp.status_code == 400 and resp.json["error"]["field"] == "num_beams", resp.text
+
+
+def test_a_generative_model_returning_a_dict_is_held_to_the_limits_too(client):
+    """decode_request of the contract before 2026-12-07 returns a GenerateRequest-shaped dict: still within [limits]."""
+    resp = client.simulate_post("/v1/models/dictlm/predict", json={"prompt": "a", "stop": ["x", "y", "z"]})
+    assert resp.status_code == 400 and resp.json["error"]["field"] == "stop", resp.text

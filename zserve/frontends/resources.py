@@ -19,7 +19,7 @@ from zserve.errors import BadRequest, RateLimited, ZserveError
 from zserve.frontends import metrics
 from zserve.frontends.api_types import Error, ErrorDetail, OpenAIError, OpenAIErrorDetail
 from zserve.frontends.limits import Limits
-from zserve.generation import GenerateRequest
+from zserve.generation import GenerateRequest, parse_generate_request
 from zserve.model import Model
 from zserve.protocol import HealthReport
 
@@ -231,13 +231,18 @@ class PredictRoute:
         RequestError or BadRequest (400)."""
         body = raw if content_type.lower().startswith(RAW_CONTENT_TYPES) else decode_json(raw)
         item = decode_item(handler, body)
-        if isinstance(item, GenerateRequest):
+        request = item
+        if getattr(handler, "generative", False) and not isinstance(item, GenerateRequest):
+            # a generative model of the contract before 2026-12-07 returns a GenerateRequest-shaped dict: its
+            # limits hold all the same (the dict itself travels, as it did)
+            request = parse_generate_request(item)
+        if isinstance(request, GenerateRequest):
             limits = self.limits
-            limits.check_stop(item.stop)
-            limits.check_logit_bias(item.logit_bias)
-            limits.check_tools(item.tools)
-            if item.json_schema is not None:
-                limits.check_schema(item.json_schema, "json_schema")
+            limits.check_stop(request.stop)
+            limits.check_logit_bias(request.logit_bias)
+            limits.check_tools(request.tools)
+            if request.json_schema is not None:
+                limits.check_schema(request.json_schema, "json_schema")
         return item
 
     @staticmethod

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from zserve import payload
-from zserve.errors import ZserveError
+from zserve.errors import BadRequest, ZserveError
 from zserve.frames import pack
 from zserve.generation import (
     GenerateResponse,
@@ -169,7 +169,10 @@ class GenerationRunner:
             # a decoded request is the deployment's own GenerateRequest (a frontend's, with its prompt_token_ids),
             # decoded once with its type; a raw body is a client's, for the model's decode_request
             if decoded:
-                request = decode_generate_request(_first_buffer(frames))
+                try:
+                    request = decode_generate_request(_first_buffer(frames))
+                except BadRequest:  # another shape a direct client sent as decoded (a prompt string, say): as before
+                    request = parse_generate_request(payload.decode(frames), token_ids=True)
             else:
                 request = parse_generate_request(self.model.decode_request(payload.decode(frames)))
             prompt = self.generator.prepare(request)
