@@ -457,18 +457,22 @@ def pack_blocks(s: torch.Tensor, isa: str | None = None, half: bool = False) -> 
     return (out.half() if half else out).contiguous()
 
 
+def input_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` [..., K] as both quantised kernels read it: [M, K] fp32, unit stride along K. Refused unless its width
+    is K: the kernels read K floats a row, so a narrower row would be read past its end."""
+    if x.shape[-1] != k:
+        raise ValueError(f"quantised linear: input of {x.shape[-1]} features for a weight of {k}")
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] fp32 through the ``pack``-ed weight ``w`` (and a contiguous fp32 ``bias`` [N], or None)."""
     args = w.call_args
     n, k = args[5], args[6]
-    if x.shape[-1] != k:  # the kernel reads K floats a row: a narrower row would be read past its end
-        raise ValueError(f"quantised linear: input of {x.shape[-1]} features for a weight of {k}")
-    flat = x.dim() == 2
-    rows = x if flat else x.reshape(-1, k)
-    if rows.dtype != torch.float32:
-        rows = rows.float()
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = input_rows(x, k)
     count = rows.shape[0]
     y = torch.empty((count, n), dtype=torch.float32)
     if count:
@@ -478,4 +482,4 @@ def linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tenso
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
-    return y if flat else y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

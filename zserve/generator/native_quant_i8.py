@@ -536,14 +536,7 @@ def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Ten
     # a decode step makes ~120 of these calls: each step below a few hundred ns (the call was 11 us, 3 of them C)
     kernel, args = w.entry
     n, k = args[5], args[6]
-    if x.shape[-1] != k:  # the kernel reads K floats a row: a narrower row would be read past its end
-        raise ValueError(f"quantised linear: input of {x.shape[-1]} features for a weight of {k}")
-    flat = x.dim() == 2
-    rows = x if flat else x.reshape(-1, k)
-    if rows.dtype != torch.float32:
-        rows = rows.float()
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = native_quant.input_rows(x, k)
     count = rows.shape[0]
     y = torch.empty((count, n), dtype=torch.float32)
     if count:
@@ -551,4 +544,4 @@ def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Ten
                     y.data_ptr(), n, torch.get_num_threads(), w.terms)  # fmt: skip
         if rc:
             raise RuntimeError(f"int8 quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
-    return y if flat else y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
