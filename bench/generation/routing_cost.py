@@ -26,7 +26,7 @@ from collections import deque
 
 import msgspec
 
-from zserve.batching.routing import MIN_ENTRIES, PrefixIndex
+from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
 from zserve.protocol import Hello, Status, StepOutput, Submit, Submits

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import random
 
-from zserve.batching.routing import (
-    LEAST_LOADED,
-    MATCH,
-    MIN_ENTRIES,
-    SPILL,
-    Candidate,
-    InFlightPrompts,
-    PrefixIndex,
-    PrefixRouter,
-)
+import pytest
+
+from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
+from zserve.batching.prefix_table import native_index
+from zserve.batching.routing import LEAST_LOADED, MATCH, SPILL, Candidate, InFlightPrompts, PrefixRouter
 from zserve.batching.workers import InFlightBatch, Worker
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
@@ -23,8 +18,20 @@ from zserve.protocol import Batch, HealthQuery, Hello, StepOutput, Submit, Submi
 A, B, C = b"a", b"b", b"c"
 
 
-def test_matches_count_leading_blocks_only():
-    index = PrefixIndex()
+@pytest.fixture(params=[False, True], ids=["dict", "c"])
+def native(request) -> bool:
+    """Each test runs on the dict index and on the C one (``prefix_table``), where this machine can build it."""
+    if request.param and native_index() is None:
+        pytest.skip("no C compiler or Python headers here")
+    return request.param
+
+
+def new_index(native: bool) -> PrefixIndex:
+    return native_index()() if native else PrefixIndex()  # type: ignore[misc]
+
+
+def test_matches_count_leading_blocks_only(native):
+    index = new_index(native)
     index.reset(A, [1, 2, 3, 4, 5, 6, 7])  # hashes of a chain: an engine holds a prefix of it
     index.reset(B, [1])
     index.reset(C, [9])
@@ -36,8 +43,8 @@ def test_matches_count_leading_blocks_only():
     assert index.matches([], [A]) == {A: 0}
 
 
-def test_deltas_store_and_evict_and_an_unknown_engine_is_ignored():
-    index = PrefixIndex()
+def test_deltas_store_and_evict_and_an_unknown_engine_is_ignored(native):
+    index = new_index(native)
     index.reset(A, [])
     index.update(A, [1, 2], [])
     index.update(A, [3], [])
@@ -48,8 +55,8 @@ def test_deltas_store_and_evict_and_an_unknown_engine_is_ignored():
     assert index.matches([1], [C]) == {C: 0} and len(index) == 1
 
 
-def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once():
-    index = PrefixIndex()
+def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once(native):
+    index = new_index(native)
     index.reset(A, [], kv_blocks=10)  # its pool holds at most MIN_ENTRIES here (10 < MIN_ENTRIES)
     index.update(A, range(MIN_ENTRIES + 50), [])  # more than it can hold: deltas were lost, the oldest go
     assert len(index) == MIN_ENTRIES
@@ -62,22 +69,22 @@ def test_the_index_is_bounded_per_engine_and_a_dead_engines_entries_go_at_once()
     assert index.matches([7], [B]) == {B: 0} and index.matches([9], [B]) == {B: 1}
 
 
-def test_an_engines_log_stays_within_twice_its_bound_under_churn():
-    index = PrefixIndex()
+def test_an_engines_log_stays_within_twice_its_bound_under_churn(native):
+    index = new_index(native)
     index.reset(A, [], kv_blocks=MIN_ENTRIES)
     for start in range(0, 20 * MIN_ENTRIES, 8):  # stored and evicted, as a full engine reports them
         index.update(A, range(start, start + 8), range(start - MIN_ENTRIES, start - MIN_ENTRIES + 8))
-        assert len(index._held[A].log) <= 2 * MIN_ENTRIES
+        assert index.log_size(A) <= 2 * MIN_ENTRIES
     assert len(index) == MIN_ENTRIES
     index.update(A, [], [20 * MIN_ENTRIES - 1])
     index.update(A, [20 * MIN_ENTRIES - 1], [])  # evicted, then stored again: held once, counted once
     assert len(index) == MIN_ENTRIES and index.holds(A, 20 * MIN_ENTRIES - 1)
     index.drop(A)  # the log finds every hash it still holds
-    assert len(index) == 0 and index._holders == {}
+    assert len(index) == 0 and not any(index.mask(h) for h in range(20 * MIN_ENTRIES))
 
 
-def test_policy_match_spill_and_least_loaded():
-    router = PrefixRouter(spill_ratio=1.5, spill_slack=2)
+def test_policy_match_spill_and_least_loaded(native):
+    router = PrefixRouter(spill_ratio=1.5, spill_slack=2, native=native)
     router.index.reset(A, [1, 2, 3])
     router.index.reset(B, [1])
     # candidates come least loaded first
@@ -102,8 +109,8 @@ def test_policy_match_spill_and_least_loaded():
     assert d.engine == C
 
 
-def test_a_hot_prefix_spreads_over_the_engines_instead_of_piling_on_one():
-    router = PrefixRouter(spill_ratio=1.5, spill_slack=2)
+def test_a_hot_prefix_spreads_over_the_engines_instead_of_piling_on_one(native):
+    router = PrefixRouter(spill_ratio=1.5, spill_slack=2, native=native)
     router.index.reset(A, [1, 2])
     router.index.reset(B, [])
     running = {A: 0, B: 0}
@@ -136,8 +143,11 @@ timeout_ms = 5000
 """
 
 
-def make() -> BrokerCore:
-    return BrokerCore(parse_config(CONFIG), epoch=1, generative=frozenset({"lm", "solo"}))
+def make(native: bool = True) -> BrokerCore:
+    core = BrokerCore(parse_config(CONFIG), epoch=1, generative=frozenset({"lm", "solo"}))
+    if not native:
+        core.routes.routers["lm"] = PrefixRouter(native=False)  # as a broker without a C compiler routes
+    return core
 
 
 def hello(core: BrokerCore, worker: bytes, hashes: list[int], model: str = "lm", now: float = 0.0) -> None:
@@ -174,8 +184,8 @@ def routing(core: BrokerCore, model: str = "lm") -> dict[str, tuple[int, ...]]:
     return {r.engine: (r.prompt_blocks, r.cached_blocks, r.match, r.spill, r.least_loaded) for r in health.routing}
 
 
-def test_the_broker_routes_by_the_hellos_snapshots_and_the_step_deltas():
-    core = make()
+def test_the_broker_routes_by_the_hellos_snapshots_and_the_step_deltas(native):
+    core = make(native)
     hello(core, A, [])
     hello(core, B, [11, 12])  # a restarted broker learns B's cache from its Hello
     assert submit(core, 1, [11, 12, 13]) == B
@@ -195,8 +205,8 @@ def test_the_broker_routes_by_the_hellos_snapshots_and_the_step_deltas():
     assert routing(core) == {"a": (9, 5, 2, 0, 1), "b": (4, 2, 1, 0, 1)}
 
 
-def test_a_lost_engines_entries_go_at_once_and_its_sequences_are_redispatched():
-    core = make()
+def test_a_lost_engines_entries_go_at_once_and_its_sequences_are_redispatched(native):
+    core = make(native)
     hello(core, A, [])
     hello(core, B, [11, 12])
     assert submit(core, 1, [11, 12]) == B
@@ -245,8 +255,8 @@ def test_in_flight_identical_prompts_and_the_compared_bound():
     assert inflight.matches([1, 2, 3, 4], [A]) == {A: 4}
 
 
-def test_a_model_with_one_engine_is_not_routed():
-    core = make()
+def test_a_model_with_one_engine_is_not_routed(native):
+    core = make(native)
     assert set(core.routes.routers) == {"lm"}  # "solo" has engines = 1: least_loaded, no index, no counters
     hello(core, A, [1, 2], model="solo")
     assert submit(core, 1, [1, 2], model="solo") == A
@@ -304,10 +314,10 @@ def _reference(router: PrefixRouter, hashes: list[int], candidates: list[Candida
     return best.engine, MATCH, matched[best.engine]
 
 
-def _random_router(rng: random.Random, engines: list[bytes]) -> tuple[PrefixRouter, list[list[int]]]:
+def _random_router(rng: random.Random, engines: list[bytes], native: bool) -> tuple[PrefixRouter, list[list[int]]]:
     """Engines holding prefixes of chains that share prefixes (as a cache holds them), some evicted from their
     ends, and prompts in flight."""
-    router = PrefixRouter(spill_ratio=rng.choice([1.0, 1.5, 3.0]), spill_slack=rng.choice([0, 2]))
+    router = PrefixRouter(spill_ratio=rng.choice([1.0, 1.5, 3.0]), spill_slack=rng.choice([0, 2]), native=native)
     trunks = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     prompts = [t[: rng.randrange(1, len(t) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(4))]
                for t in trunks for _ in range(4)]  # fmt: skip
@@ -323,11 +333,11 @@ def _random_router(rng: random.Random, engines: list[bytes]) -> tuple[PrefixRout
     return router, prompts
 
 
-def test_the_choice_is_the_policy_as_written_on_random_caches():
+def test_the_choice_is_the_policy_as_written_on_random_caches(native):
     rng = random.Random(7)
     engines = [bytes([97 + i]) for i in range(6)]
     for _ in range(400):
-        router, prompts = _random_router(rng, engines)
+        router, prompts = _random_router(rng, engines, native)
         running = {e: rng.randrange(5) for e in engines}
         chosen = rng.sample(engines, rng.randrange(1, len(engines) + 1))
         low = min(running[e] for e in chosen)
@@ -337,11 +347,11 @@ def test_the_choice_is_the_policy_as_written_on_random_caches():
         assert tuple(router.choose(hashes, candidates)) == _reference(router, hashes, candidates)
 
 
-def test_route_takes_the_least_loaded_and_the_first_blocks_holders_with_credit():
+def test_route_takes_the_least_loaded_and_the_first_blocks_holders_with_credit(native):
     rng = random.Random(11)
     engines = [bytes([97 + i]) for i in range(6)]
     for _ in range(300):
-        router, prompts = _random_router(rng, engines)
+        router, prompts = _random_router(rng, engines, native)
         workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
         for w in workers.values():
             for batch_id in range(rng.randrange(3)):  # 2 credits: some engines have none left
@@ -362,8 +372,8 @@ def test_route_takes_the_least_loaded_and_the_first_blocks_holders_with_credit()
     assert router.route([], least, workers) == (least.worker_id, LEAST_LOADED, 0)
 
 
-def test_longest_searches_every_engine_at_once():
-    index = PrefixIndex()
+def test_longest_searches_every_engine_at_once(native):
+    index = new_index(native)
     index.reset(A, [1, 2, 3, 4])
     index.reset(B, [1, 2, 3, 4, 5])
     index.reset(C, [1, 2])
@@ -376,8 +386,8 @@ def test_longest_searches_every_engine_at_once():
     assert index.longest([7, 1], a | b | c) == (0, 0)
 
 
-def test_a_freed_slot_goes_to_the_next_engine_with_nothing_of_the_last_ones():
-    index = PrefixIndex()
+def test_a_freed_slot_goes_to_the_next_engine_with_nothing_of_the_last_ones(native):
+    index = new_index(native)
     index.reset(A, [1, 2])
     index.reset(B, [1, 3])
     bit = index.bit(A)

@@ -5,7 +5,9 @@ The index is exact: engines report the block hashes (``zserve.batching.prefix_ha
 stores and evicts, as deltas on their step messages and as a full snapshot in their Hello (so a restarted
 broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``max(kv_blocks, MIN_ENTRIES)``
 entries here (its KV pool cannot cache more; past it, after lost deltas, its oldest entries go), and a lost
-engine's entries go at once (``drop``).
+engine's entries go at once (``drop``). It is ``zserve.batching.prefix_table``'s, in C, where the broker's machine
+can build it (64 engines at most; a 65th moves the router to the dict index, ``prefix_index.PrefixIndex``,
+which also serves where no C compiler is found): the same contents and decisions, a third of the CPU.
 
 The broker adds what it routed and is not finished yet (``InFlightPrompts``): an engine reports the blocks it
 allocated only after the step that allocated them, so without it the requests that arrive during a prefill
@@ -19,191 +21,29 @@ router do the same in their own units):
     gets it (``spill``), and caches the hot prefix too, so a hot prefix spreads instead of piling on one engine;
   * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
 The cost: one probe of the index for a prompt whose first block no engine holds or computes; else one binary
-search over the prompt's blocks for all the engines holding its first block at once (``PrefixIndex.longest``).
+search over the prompt's blocks for all the engines holding its first block at once (``PrefixIndex.longest``);
+with the C index, all of it is one call (``route``) unless prompts in flight start as this one does.
 Nothing at all for a model with one engine. Measured with ``python -m bench.generation routing-cost``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from zserve.batching.prefix_index import PrefixIndex
+from zserve.batching.prefix_table import MAX_ENGINES, native_index
 from zserve.batching.workers import Worker
+
+log = logging.getLogger("zserve.broker")
 
 MATCH, SPILL, LEAST_LOADED = "match", "spill", "least_loaded"
 REASONS = (MATCH, SPILL, LEAST_LOADED)
-MIN_ENTRIES = 1024  # an engine's entries kept at least (its Hello may not say its pool's size)
 # Prompt blocks a frontend sends per request: routing beyond the first 4,096 tokens (at 16 a block) changes few
 # decisions, and the broker's work per request stays bounded whatever the prompt's length.
 MAX_ROUTE_BLOCKS = 256
-
-
-class _Held:
-    """One engine's part of the index: its bit in the masks, the log of the hashes it stored, how many it holds
-    and may hold. One object, so a delta finds all of it with one lookup."""
-
-    __slots__ = ("bit", "count", "limit", "log", "slot")
-
-    def __init__(self, slot: int, limit: int) -> None:
-        self.slot = slot
-        self.bit = 1 << slot  # this very object is the value of every hash only this engine holds (see update)
-        self.log: list[int] = []  # the hashes it stored, oldest first (some gone since)
-        self.count = 0
-        self.limit = limit
-
-
-class PrefixIndex:
-    """Which engine's prefix cache holds which block hash. Engines are keyed by their worker id; each gets a slot,
-    a bit of the mask kept per hash (an int: no container per hash for the garbage collector to walk, which made
-    a broker with 131k entries pay ~40 us a step message in collections).
-
-    The mask is the only lookup structure: a delta or a match touches one dict, which matters because a broker
-    with many engines has an index far bigger than the CPU's caches, and every probe costs a miss (a second,
-    per-engine dict of the same hashes made a delta cost twice as much). A hash only one engine holds (most of
-    them) has that engine's own bit object as its value, one object per engine, hot, so reading a mask costs no
-    miss of its own and an entry no int of its own. Per engine there is only a log of the hashes it stored, in
-    order, appended to and read when it is dropped or over its bound; it is compacted when it grows past twice
-    the engine's bound, so its memory stays within that."""
-
-    def __init__(self) -> None:
-        self._holders: dict[int, int] = {}  # hash -> mask of the slots of the engines holding it
-        self._held: dict[bytes, _Held] = {}
-        self._engines: list[bytes | None] = []  # slot -> engine
-
-    def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
-        """A (re)registered engine: its snapshot replaces whatever was known of it."""
-        self.drop(engine)
-        free = [i for i, e in enumerate(self._engines) if e is None]
-        slot = free[0] if free else len(self._engines)
-        if slot == len(self._engines):
-            self._engines.append(engine)
-        else:
-            self._engines[slot] = engine
-        self._held[engine] = _Held(slot, max(kv_blocks, MIN_ENTRIES))
-        self.update(engine, hashes, ())
-
-    def update(self, engine: bytes, stored: Iterable[int], evicted: Iterable[int]) -> None:
-        """Apply an engine's deltas (an unknown engine's are ignored: it must say Hello first). Every step
-        message of every engine comes through here: an evicted hash costs one operation on one dict (most are
-        held by one engine), a stored one two (a miss, then an insert into the slot just found)."""
-        held = self._held.get(engine)
-        if held is None:
-            return
-        holders = self._holders
-        bit = held.bit
-        n = held.count
-        for h in evicted:
-            mask = holders.pop(h, 0)
-            if mask & bit:
-                n -= 1
-                if mask != bit:
-                    holders[h] = mask ^ bit
-            elif mask:  # held by others only (an eviction this engine reported twice): put back
-                holders[h] = mask
-        log = held.log
-        for h in stored:
-            mask = holders.get(h, 0)
-            if not mask & bit:
-                holders[h] = mask | bit if mask else bit
-                log.append(h)
-                n += 1
-        held.count = n
-        if n > held.limit:  # more than its pool holds: deltas were lost; forget its oldest
-            self._trim(held, n - held.limit)
-        elif len(log) > 2 * held.limit:
-            held.log = list(dict.fromkeys(h for h in log if holders.get(h, 0) & bit))
-
-    def _trim(self, held: _Held, over: int) -> None:
-        log, holders, bit = held.log, self._holders, held.bit
-        i = 0
-        while over > 0:
-            h = log[i]
-            i += 1
-            mask = holders.get(h, 0)
-            if mask & bit:
-                over -= 1
-                held.count -= 1
-                if mask != bit:
-                    holders[h] = mask ^ bit
-                else:
-                    del holders[h]
-        del log[:i]
-
-    def drop(self, engine: bytes) -> None:
-        """The engine is gone (lost, restarted, left): its entries go now."""
-        held = self._held.pop(engine, None)
-        if held is None:
-            return
-        bit = held.bit
-        holders = self._holders
-        for h in held.log:
-            mask = holders.get(h, 0)
-            if mask & bit:
-                if mask != bit:
-                    holders[h] = mask ^ bit
-                else:
-                    del holders[h]
-        self._engines[held.slot] = None
-
-    def bit(self, engine: bytes) -> int:
-        """The engine's bit in the masks (0 if it is not indexed)."""
-        held = self._held.get(engine)
-        return held.bit if held is not None else 0
-
-    def mask(self, h: int) -> int:
-        """The mask of the engines holding block ``h``."""
-        return self._holders.get(h, 0)
-
-    def engines_in(self, mask: int) -> list[bytes]:
-        """The engines whose bits are set in ``mask``, by slot."""
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(self._engines[low.bit_length() - 1])
-            mask ^= low
-        return out  # type: ignore[return-value]  # a set bit is a live slot
-
-    def holders(self, h: int) -> list[bytes]:
-        """The engines holding block ``h``."""
-        return self.engines_in(self._holders.get(h, 0))
-
-    def longest(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
-        """The most leading blocks of ``hashes`` that one engine of ``mask`` holds, and the mask of the engines
-        of ``mask`` holding that many: one binary search for all of them.
-
-        An engine's cache holds a chain's blocks as a prefix: a block is shared only with its whole prefix, and
-        the block manager frees a sequence's blocks last first, so its LRU evicts a chain from the end. So the
-        engines holding block k are among those holding block k - 1, and the search narrows the mask as it goes
-        up: O(log n) lookups whatever the number of engines. (Where that does not hold, after lost deltas made
-        the index drop an engine's oldest entries, a count may be off: a worse route, never a wrong answer.)"""
-        if not hashes:
-            return 0, 0
-        get = self._holders.get
-        at = get(hashes[0], 0) & mask
-        if not at:
-            return 0, 0
-        held, free = 0, len(hashes)  # some engine of ``at`` holds hashes[held]; none holds hashes[free] (or beyond)
-        while free - held > 1:
-            mid = (held + free) >> 1
-            found = get(hashes[mid], 0) & at
-            if found:
-                held = mid
-                at = found
-            else:
-                free = mid
-        return held + 1, at
-
-    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
-        """Per engine of ``engines``, how many leading blocks of ``hashes`` it holds (``longest`` for each)."""
-        return {e: self.longest(hashes, self.bit(e))[0] for e in engines}
-
-    def __len__(self) -> int:
-        """Entries (engine, hash) held: the memory bound is the engines' KV blocks (or MIN_ENTRIES each)."""
-        return sum(held.count for held in self._held.values())
-
-    def holds(self, engine: bytes, h: int) -> bool:
-        return bool(self._holders.get(h, 0) & self.bit(engine))
 
 
 class InFlightPrompts:
@@ -339,13 +179,29 @@ _NOTHING_COMPUTED: dict[bytes, int] = {}  # never written: what no prompt in fli
 class PrefixRouter:
     """One generative model's router: the index of its engines' caches, the policy, and its counters."""
 
-    def __init__(self, spill_ratio: float = 1.5, spill_slack: int = 2) -> None:
-        self.index = PrefixIndex()
+    def __init__(self, spill_ratio: float = 1.5, spill_slack: int = 2, native: bool = True) -> None:
+        """``native``: the index in C where it can be built (``prefix_table``), else the dict index."""
+        built = native_index() if native else None
+        self.index: PrefixIndex = built() if built is not None else PrefixIndex()
+        self._route_c = getattr(self.index, "route", None)  # the C index's whole choice, one call
         self.inflight = InFlightPrompts()
         self.spill_ratio = spill_ratio
         self.spill_slack = spill_slack
         self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
         self._by_worker: dict[bytes, EngineCounters] = {}  # worker id -> its counters (the hot path's lookup)
+
+    def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
+        """A (re)registered engine's snapshot (``PrefixIndex.reset``). The C index's masks hold 64 engines: a 65th
+        moves this router to the dict index (the same contents, each engine in its slot), for good."""
+        try:
+            self.index.reset(engine, hashes, kv_blocks)
+        except OverflowError:
+            if self._route_c is None:
+                raise
+            log.warning("more than %d engines: the routing index moves to Python (slower)", MAX_ENGINES)
+            self.index = PrefixIndex.restore(self.index.export())  # type: ignore[attr-defined]
+            self._route_c = None
+            self.index.reset(engine, hashes, kv_blocks)
 
     def route(self, hashes: Sequence[int], least: Worker, workers: Mapping[bytes, Worker]) -> tuple[bytes, str, int]:
         """The engine of ``workers`` for a prompt whose blocks hash to ``hashes`` (``least``: the pool's least
@@ -356,40 +212,40 @@ class PrefixRouter:
             return least.worker_id, LEAST_LOADED, 0
         first = hashes[0]
         index = self.index
-        mask = index._holders.get(first, 0)
         flying = self.inflight._first.get(first)
-        if not mask and not flying:  # held and computed nowhere: one probe is all a new prompt costs
-            return least.worker_id, LEAST_LOADED, 0
+        if not flying:
+            if self._route_c is not None:  # nothing in flight to compare: all of it in one C call
+                return self._route_c(hashes, least, workers, self.spill_ratio, self.spill_slack)
+            mask = index._holders.get(first, 0)
+            if not mask:  # held and computed nowhere: one probe is all a new prompt costs
+                return least.worker_id, LEAST_LOADED, 0
+            if not mask & (mask - 1):  # most prompts: one engine holds the first block, none computes it
+                least_id = least.worker_id
+                engine = index._engines[mask.bit_length() - 1]
+                matched = index.longest(hashes, mask)[0]
+                if engine == least_id:
+                    return least_id, MATCH, matched
+                w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
+                if w is None or w.free_credits <= 0:
+                    return least_id, LEAST_LOADED, 0
+                if len(w.in_flight) > self.spill_ratio * len(least.in_flight) + self.spill_slack:
+                    return least_id, SPILL, 0  # the least loaded holds nothing of it
+                return engine, MATCH, matched  # type: ignore[return-value]
+        else:
+            mask = index.mask(first)
         least_id = least.worker_id
-        if not flying and not mask & (mask - 1):  # most prompts: one engine holds the first block, none computes it
-            engine = index._engines[mask.bit_length() - 1]
-            matched = index.longest(hashes, mask)[0]
-            if engine == least_id:
-                return least_id, MATCH, matched
-            w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
-            if w is None or w.free_credits <= 0:
-                return least_id, LEAST_LOADED, 0
-            if len(w.in_flight) > self.spill_ratio * len(least.in_flight) + self.spill_slack:
-                return least_id, SPILL, 0  # the least loaded holds nothing of it
-            return engine, MATCH, matched  # type: ignore[return-value]
-        held_of = index._held
-        held = held_of.get(least_id)
-        least_bit = held.bit if held is not None else 0
+        least_bit = index.bit(least_id)
         candidates = [(least_id, len(least.in_flight), least_bit)]
         scored = least_bit  # the candidates' bits
-        slots = index._engines
-        rest = mask & ~least_bit
-        while rest:  # the engines holding the first block, by slot
-            bit = rest & -rest
-            rest ^= bit
-            engine = slots[bit.bit_length() - 1]
-            w = workers.get(engine)  # type: ignore[arg-type]  # a set bit is a live slot
+        for engine in index.engines_in(mask & ~least_bit):  # the engines holding the first block, by slot
+            w = workers.get(engine)
             if w is not None and w.free_credits > 0:
-                candidates.append((engine, len(w.in_flight), bit))  # type: ignore[arg-type]
+                bit = index.bit(engine)
+                candidates.append((engine, len(w.in_flight), bit))
                 scored |= bit
         if flying:  # and those computing it without holding it (whose bits cannot score in the index)
             for engine in flying:
-                if engine != least_id and not (engine in held_of and held_of[engine].bit & mask):
+                if engine != least_id and not index.bit(engine) & mask:
                     w = workers.get(engine)
                     if w is not None and w.free_credits > 0:
                         candidates.append((engine, len(w.in_flight), 0))

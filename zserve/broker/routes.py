@@ -37,7 +37,7 @@ class Routes:
         for model in msg.models:
             router = self.routers.get(model)
             if router is not None:
-                router.index.reset(worker_id, msg.block_hashes, msg.kv_blocks)
+                router.reset(worker_id, msg.block_hashes, msg.kv_blocks)
 
     def on_step(self, worker_id: bytes, msg: StepOutput) -> None:
         # each router's index knows the engines that said Hello for its model and are still in the pool, and

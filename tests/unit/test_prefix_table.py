@@ -1,0 +1,205 @@
+"""The routing index in C (zserve.batching.prefix_table) against the dict index (zserve.batching.prefix_index):
+the same contents and answers after thousands of random operations (snapshots, stores, evictions, lost deltas
+past an engine's bound, log compaction, engine loss, hash 0 and 2**64 - 1), the same decisions from a router
+on each (in-flight prompts, spill, engines without credit), the move to the dict index past 64 engines, and the
+dict index when no C compiler is found."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from zserve.batching import prefix_table
+from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
+from zserve.batching.routing import PrefixRouter
+from zserve.batching.workers import InFlightBatch, Worker
+
+CIndex = prefix_table.native_index()
+pytestmark = pytest.mark.skipif(CIndex is None, reason="no C compiler or Python headers here")
+
+TOP = 2**64 - 1
+
+
+def _same(c: PrefixIndex, py: PrefixIndex, rng: random.Random, pool: list[int], engines: list[bytes]) -> None:
+    assert len(c) == len(py)
+    assert [e for e in c.export() if e] == [e for e in py.export() if e]  # each engine's hashes, in order
+    for engine in engines:
+        assert c.bit(engine) == py.bit(engine) and c.log_size(engine) == py.log_size(engine)
+    for h in rng.sample(pool, 20):
+        assert c.mask(h) == py.mask(h) and c.holders(h) == py.holders(h)
+    mask = 0  # the bits of some live engines (what callers pass)
+    for engine in rng.sample(engines, rng.randrange(len(engines) + 1)):
+        mask |= py.bit(engine)
+    assert c.engines_in(mask) == py.engines_in(mask)
+    for _ in range(5):
+        hashes = rng.sample(pool, rng.randrange(0, 12))
+        assert c.longest(hashes, mask) == py.longest(hashes, mask)
+        assert c.matches(hashes, engines) == py.matches(hashes, engines)
+
+
+def test_the_c_index_holds_and_answers_as_the_dict_index_over_random_operations():
+    rng = random.Random(3)
+    engines = [f"engine-{i}".encode() for i in range(5)]
+    pool = [0, TOP, *(rng.getrandbits(64) for _ in range(2000)), *range(1, 2000)]  # shared hashes: masks of many bits
+    c, py = CIndex(), PrefixIndex()
+    compacted = trimmed = 0
+    for step in range(3000):
+        engine = rng.choice(engines)
+        op = rng.random()
+        if op < 0.005:
+            snapshot = rng.sample(pool, rng.randrange(0, 300))
+            kv_blocks = rng.choice([0, 10, MIN_ENTRIES + 100])
+            c.reset(engine, snapshot, kv_blocks)
+            py.reset(engine, snapshot, kv_blocks)
+        elif op < 0.01:
+            c.drop(engine)
+            py.drop(engine)
+        else:  # a step's deltas: some of what it holds evicted (some twice, some never held), new blocks stored
+            held = py._held[engine].log[-200:] if engine in py._held else []  # some since evicted: again
+            evicted = rng.sample(held, min(len(held), rng.randrange(0, 45))) + rng.sample(pool, rng.randrange(3))
+            stored = rng.sample(pool, rng.randrange(0, 60))
+            stored += stored[: rng.randrange(3)]  # reported twice in one message
+            before = py.log_size(engine)
+            c.update(engine, stored, evicted)
+            py.update(engine, stored, evicted)
+            if engine in py._held:
+                full = py._held[engine].count == py._held[engine].limit
+                trimmed += full
+                compacted += not full and py.log_size(engine) < before
+        if step % 25 == 0:
+            _same(c, py, rng, pool, engines)
+    _same(c, py, rng, pool, engines)
+    assert compacted > 5 and trimmed > 5, (compacted, trimmed)  # both bounds were reached, not only plain paths
+    for engine in engines:
+        c.drop(engine)
+        py.drop(engine)
+    assert len(c) == 0 and all(c.mask(h) == 0 for h in pool)  # a lost engine's entries go, every one
+
+
+def test_the_c_index_compacts_its_log_and_keeps_it_within_twice_its_bound():
+    c = CIndex()
+    c.reset(b"a", [], kv_blocks=MIN_ENTRIES)
+    for start in range(0, 20 * MIN_ENTRIES, 8):  # stored and evicted, as a full engine reports them
+        c.update(b"a", range(start, start + 8), range(start - MIN_ENTRIES, start - MIN_ENTRIES + 8))
+        assert c.log_size(b"a") <= 2 * MIN_ENTRIES
+    # evicted hashes leave the table: at most 4 slots of 16 bytes an entry held (it is kept under half full)
+    assert len(c) == MIN_ENTRIES and c.table_bytes() <= 64 * MIN_ENTRIES
+
+
+def _workers(rng: random.Random, engines: list[bytes]) -> dict[bytes, Worker]:
+    workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 3, 0.0) for e in engines}
+    for w in workers.values():
+        for batch_id in range(rng.randrange(4)):  # 3 credits: some engines have none left
+            w.in_flight[batch_id] = InFlightBatch(batch_id, "lm", [batch_id], w.worker_id, 0.0)
+        w.leaving = rng.random() < 0.05
+    return workers
+
+
+def _drive(rng: random.Random, engines: list[bytes], steps: int) -> tuple[PrefixRouter, PrefixRouter]:
+    """Two routers, C and dict, fed the same random life: Hellos, deltas, engines lost, sequences routed and
+    finished; every decision must be the same."""
+    ratio, slack = rng.choice([1.0, 1.5, 3.0]), rng.choice([0, 2])
+    c, py = PrefixRouter(ratio, slack), PrefixRouter(ratio, slack, native=False)
+    assert c._route_c is not None and py._route_c is None
+    trunks = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
+    prompts = [t[: rng.randrange(1, len(t) + 1)] + [rng.getrandbits(64) for _ in range(rng.randrange(4))]
+               for t in trunks for _ in range(6)]  # fmt: skip
+    routed: list[int] = []
+    for step in range(steps):
+        engine, op = rng.choice(engines), rng.random()
+        if op < 0.05:
+            snapshot = [h for p in rng.sample(prompts, rng.randrange(4)) for h in p[: rng.randrange(len(p) + 1)]]
+            for r in (c, py):
+                r.reset(engine, snapshot, rng.choice([0, 50]))
+        elif op < 0.08:
+            for r in (c, py):
+                r.drop(engine)
+        elif op < 0.4:
+            p = rng.choice(prompts)
+            stored = p[: rng.randrange(len(p) + 1)]
+            evicted = list(reversed(p[rng.randrange(len(p) + 1) :])) if rng.random() < 0.3 else []
+            for r in (c, py):
+                r.index.update(engine, stored, evicted)
+        elif op < 0.55 and routed:
+            item_id = routed.pop(rng.randrange(len(routed)))
+            for r in (c, py):
+                r.inflight.remove(item_id)
+        else:
+            workers = _workers(rng, engines)
+            free = [w for w in workers.values() if w.free_credits > 0]
+            if not free:
+                continue
+            least = min(free, key=lambda w: len(w.in_flight))
+            hashes = rng.choice(prompts) + [rng.getrandbits(64) for _ in range(rng.randrange(3))]
+            if rng.random() < 0.05:
+                hashes = []
+            decision = c.route(hashes, least, workers)
+            assert decision == py.route(hashes, least, workers), step
+            if hashes and rng.random() < 0.5:  # some stay in flight: later prompts compare with them
+                for r in (c, py):
+                    r.inflight.add(step, decision[0], hashes)
+                routed.append(step)
+    return c, py
+
+
+def test_a_router_on_the_c_index_decides_as_one_on_the_dict_index():
+    rng = random.Random(5)
+    engines = [bytes([97 + i]) for i in range(8)]
+    for _ in range(4):
+        c, py = _drive(rng, engines, 1000)
+        assert [e for e in c.index.export() if e] == [e for e in py.index.export() if e]
+
+
+def test_past_64_engines_the_router_moves_to_the_dict_index_with_every_entry(caplog):
+    rng = random.Random(9)
+    engines = [f"e{i}".encode() for i in range(70)]
+    c, py = PrefixRouter(), PrefixRouter(native=False)
+    for i, engine in enumerate(engines[:64]):
+        for r in (c, py):
+            r.reset(engine, [i, 1000 + i % 4], 0)
+    for r in (c, py):
+        r.drop(engines[3])  # a free slot below the top: the 65th engine takes it, the 66th needs a 65th slot
+        r.reset(engines[64], [5000], 0)
+    assert c._route_c is not None  # 64 engines still
+    with caplog.at_level(logging.WARNING, "zserve.broker"):
+        for r in (c, py):
+            r.reset(engines[65], [5001, 1000], 0)
+    assert c._route_c is None and type(c.index) is PrefixIndex and "moves to Python" in caplog.text
+    assert c.index.export() == py.index.export() and len(c.index) == len(py.index)
+    assert c.index.bit(engines[65]) == 1 << 64 and c.index.holders(1000)[-1] == engines[65]
+    workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
+    for _ in range(200):
+        hashes = [rng.randrange(70), 1000 + rng.randrange(4)]
+        least = workers[rng.choice(engines)]
+        assert c.route(hashes, least, workers) == py.route(hashes, least, workers)
+
+
+def test_without_a_compiler_the_dict_index_serves_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    prefix_table.module.cache_clear()
+    prefix_table.native_index.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "zserve.broker"):
+            routers = [PrefixRouter() for _ in range(3)]
+        assert all(type(r.index) is PrefixIndex and r._route_c is None for r in routers)
+        assert caplog.text.count("no C compiler") == 1
+    finally:
+        prefix_table.module.cache_clear()
+        prefix_table.native_index.cache_clear()
+
+
+def test_the_module_is_built_once_into_the_cache_folder_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    prefix_table.module.cache_clear()
+    try:
+        built = prefix_table.module()
+        assert built is not None
+        [so] = (tmp_path / "kernels").iterdir()
+        assert so.name.startswith(prefix_table.NAME)
+        mtime = so.stat().st_mtime_ns
+        prefix_table.module.cache_clear()
+        assert prefix_table.module() is not None and so.stat().st_mtime_ns == mtime  # loaded, not built again
+    finally:
+        prefix_table.module.cache_clear()

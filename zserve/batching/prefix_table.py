@@ -1,0 +1,105 @@
+"""The index of the engines' prefix caches in C: ``PrefixIndex``'s contents and answers for at most 64 engines,
+with a request's choice of engine (``route``) and a step's deltas (``update``) one call each. With 64 engines
+and 131k entries the dict index cost ~9 us of broker CPU a request, ~15 dict operations of it; this one a third
+of that (bench/results/35-broker-cost.md).
+
+A CPython extension module (``prefix_table_c.SOURCE``, plain C, the CPython API only), compiled on first use with
+the system's C compiler (``$CC`` or ``cc``, as our kernels are: ``zserve.generator.c_build``, whose compile step
+imports nothing heavy) against this Python's headers, and cached under the zserve cache folder by the hash of
+the source, the flags and the Python build. Without a compiler or the headers, or if the build fails,
+``native_index`` warns once and returns None, and the broker keeps the dict index (``PrefixIndex``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+from zserve.batching.prefix_index import MIN_ENTRIES
+from zserve.batching.prefix_table_c import SOURCE
+from zserve.generator.c_build import _compile, compiler
+from zserve.gguf_cache import zserve_cache
+
+log = logging.getLogger("zserve.broker")
+
+NAME = "_zserve_prefix_table"  # the module's name, as its PyInit_ function says
+FLAGS = ["-O2", "-shared", "-fPIC"]  # no -march: the broker's index gains nothing from vectors
+MAX_ENGINES = 64  # a mask is one uint64
+
+
+def _target(cc: str, flags: list[str]) -> Path:
+    build = "\0".join([SOURCE, cc, *flags, sys.version, sysconfig.get_config_var("EXT_SUFFIX") or ""])
+    key = hashlib.sha256(build.encode()).hexdigest()[:16]
+    return zserve_cache() / "kernels" / f"{NAME}-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+
+
+def _load(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+    spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def module() -> ModuleType | None:
+    """The extension module, built if this build of it is not in the cache yet; None (warned once) if it cannot
+    be: the dict index serves then."""
+    cc, include = compiler(), sysconfig.get_paths()["include"]
+    if shutil.which(cc) is None:
+        log.warning("no C compiler (%s) found: the routing index runs in Python (slower)", cc)
+        return None
+    if not (Path(include) / "Python.h").exists():
+        log.warning("no Python headers (%s/Python.h): the routing index runs in Python (slower)", include)
+        return None
+    flags = [*FLAGS, f"-I{include}"]
+    target = _target(cc, flags)
+    try:
+        if not target.exists():
+            _compile(cc, NAME, SOURCE, flags, target)
+            log.info("compiled the routing index into %s", target)
+        return _load(target)
+    except (OSError, ImportError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("could not build the routing index (%s): it runs in Python (slower)", detail)
+        return None
+
+
+@functools.cache
+def native_index() -> type | None:
+    """The C index's class (a subclass adding ``PrefixIndex``'s conveniences), or None where it cannot be built."""
+    built = module()
+    if built is None:
+        return None
+
+    class CPrefixIndex(built.Index):  # type: ignore[misc,name-defined]
+        """``PrefixIndex`` in C (``prefix_table_c``); ``route`` is ``PrefixRouter.route`` for a prompt nothing in
+        flight starts like, ``export`` what ``PrefixIndex.restore`` takes. ``reset`` raises OverflowError for a
+        65th engine (the router then moves to the dict index)."""
+
+        __slots__ = ()
+
+        def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
+            self._reset(engine, hashes, max(kv_blocks, MIN_ENTRIES))
+
+        def holders(self, h: int) -> list[bytes]:
+            return self.engines_in(self.mask(h))
+
+        def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
+            return {e: self.longest(hashes, self.bit(e))[0] for e in engines}
+
+        def holds(self, engine: bytes, h: int) -> bool:
+            return bool(self.mask(h) & self.bit(engine))
+
+    return CPrefixIndex
