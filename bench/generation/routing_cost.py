@@ -7,9 +7,11 @@ StepOutput with its cache deltas (its prompt's last 4 blocks stored; each engine
 least recently used evicted, as an engine's block manager does: never its shared prefix, which the requests
 that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack just before, as the
 broker's shell hands them over. Reported: broker CPU per request (thread time of the core's calls alone,
-median) with ``routing = "cache_aware"`` and with ``"least_loaded"`` (best of ``--repeat``, interleaved in this
-one process), the difference, split into its two phases (admitting, routing and dispatching a request; the
-engine's step message with its deltas), and the index's size in entries and bytes (tracemalloc).
+median) with ``routing = "cache_aware"`` on the C index (``zserve.batching.prefix_table``, what the broker runs
+where it can build it), on the dict index (``prefix_index.PrefixIndex``, where it cannot), and with
+``"least_loaded"`` (best of ``--repeat``, the three interleaved in this one process), the differences, split
+into their two phases (admitting, routing and dispatching a request; the engine's step message with its
+deltas), and each index's size in entries and bytes (tracemalloc, which counts the C index's memory too).
 
     .venv/bin/python -m bench.generation routing-cost                     # 64 engines
 """
@@ -27,6 +29,8 @@ from collections import deque
 import msgspec
 
 from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
+from zserve.batching.prefix_table import native_index
+from zserve.batching.routing import PrefixRouter
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
 from zserve.protocol import Hello, Status, StepOutput, Submit, Submits
@@ -41,12 +45,17 @@ max_queue = 100000
 """
 
 
+VARIANTS = {"least_loaded": "least_loaded", "cache_aware": "cache_aware", "cache_aware, dict index": "cache_aware"}
+
+
 def build(
-    routing: str, args: argparse.Namespace, rng: random.Random
+    variant: str, args: argparse.Namespace, rng: random.Random
 ) -> tuple[BrokerCore, list[list[int]], dict[str, tuple[deque[int], set[int]]]]:
     """The core with its engines registered, each engine's leading blocks, and what each engine holds."""
-    core = BrokerCore(parse_config(CONFIG.format(engines=args.engines, routing=routing)), epoch=1,
+    core = BrokerCore(parse_config(CONFIG.format(engines=args.engines, routing=VARIANTS[variant])), epoch=1,
                       generative=frozenset({"lm"}))  # fmt: skip
+    if variant == "cache_aware, dict index":  # as a broker routes where it cannot build the C index
+        core.routes.routers["lm"] = PrefixRouter(native=False)
     prefixes, cached = [], {}
     for e in range(args.engines):
         held = [rng.getrandbits(64) for _ in range(args.blocks)]
@@ -59,11 +68,11 @@ def build(
     return core, prefixes, cached
 
 
-def run(routing: str, args: argparse.Namespace) -> tuple[tuple[float, float, float], int]:
+def run(variant: str, args: argparse.Namespace) -> tuple[tuple[float, float, float], int]:
     """Seconds of broker CPU per request (the median: robust to the preemptions of a shared machine) in all, for
     the request (admit, route, dispatch) and for the engine's step (its deltas), and the index's entries."""
     rng = random.Random(args.seed)
-    core, prefixes, held = build(routing, args, rng)
+    core, prefixes, held = build(variant, args, rng)
     prompts = []
     for _ in range(args.requests):
         shared = rng.randrange(args.prompt_blocks + 1)
@@ -118,23 +127,24 @@ def _decoded(hashes: list[int]) -> list[int]:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(hashes))
 
 
-def index_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
-    """The index's own memory (tracemalloc, everything it keeps: the hash ints, its dict, the engines' logs) for
-    ``--engines`` x ``--blocks`` entries, from the Hellos' snapshots (decoded lists, dropped after), then at its
-    worst: each engine's log at the edge of its compaction (twice its bound: stored and evicted, as an engine's
-    churn leaves it). Returns (entries, bytes after the snapshots, bytes at the worst)."""
+def index_bytes(args: argparse.Namespace, new_index: type[PrefixIndex]) -> tuple[int, int, int]:
+    """The index's own memory (tracemalloc, everything it keeps: the hash ints if it keeps any, its table or
+    dict, the engines' logs) for ``--engines`` x ``--blocks`` entries, from the Hellos' snapshots (decoded lists,
+    dropped after), then at its worst: each engine's log at the edge of its compaction (twice its bound: stored
+    and evicted, as an engine's churn leaves it; the eviction order is the index's own export, taken after the
+    first figure, so none of this function's bookkeeping is in either). Returns (entries, bytes after the
+    snapshots, bytes at the worst)."""
     rng = random.Random(args.seed)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = PrefixIndex()
+    index = new_index()
     engines = [f"engine-{e}".encode() for e in range(args.engines)]
-    held = {}
     for engine in engines:
         hashes = _decoded([rng.getrandbits(64) for _ in range(args.blocks)])
         index.reset(engine, hashes, kv_blocks=args.blocks)
-        held[engine] = deque(hashes)
         del hashes
     snapshot = tracemalloc.get_traced_memory()[0] - before
+    held = {slot[0]: deque(slot[2]) for slot in index.export() if slot is not None}  # oldest first
     limit = max(args.blocks, MIN_ENTRIES)
     for engine in engines:  # churn until the log is one delta short of its compaction
         order = held.pop(engine)
@@ -159,26 +169,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    variants = list(VARIANTS) if native_index() is not None else ["least_loaded", "cache_aware, dict index"]
     best: dict[str, list[float]] = {}
     entries = 0
     for _ in range(args.repeat):
-        for routing in ("least_loaded", "cache_aware"):
-            medians, n = run(routing, args)
-            best[routing] = [min(a, b) for a, b in zip(best.get(routing, medians), medians, strict=True)]
+        for variant in variants:
+            medians, n = run(variant, args)
+            best[variant] = [min(a, b) for a, b in zip(best.get(variant, medians), medians, strict=True)]
             entries = n or entries
-    plain, routed = best["least_loaded"], best["cache_aware"]
-    adds = [(r - p) * 1e6 for r, p in zip(routed, plain, strict=True)]
+    plain = best["least_loaded"]
     print(f"{args.engines} engines x {args.blocks} blocks held, {args.prompt_blocks} prompt blocks per request, "
-          f"best of {args.repeat} x {args.requests} requests")  # fmt: skip
-    print(f"broker CPU per request (median): least_loaded {plain[0] * 1e6:.1f} us, cache_aware {routed[0] * 1e6:.1f} "
-          f"us (+{adds[0]:.1f} us for routing; by phase: the request +{adds[1]:.1f} us "
-          f"({plain[1] * 1e6:.1f} -> {routed[1] * 1e6:.1f}), the step's deltas +{adds[2]:.1f} us "
-          f"({plain[2] * 1e6:.1f} -> {routed[2] * 1e6:.1f}))")  # fmt: skip
-    entries, snapshot, worst = index_bytes(args)
-    print(f"index: {entries} entries (the bound: each engine's KV blocks, {MIN_ENTRIES} at least), "
-          f"{snapshot / 2**20:.1f} MiB from the Hellos ({snapshot / entries:.0f} bytes an entry), "
-          f"{worst / 2**20:.1f} MiB at its worst ({worst / entries:.0f} bytes an entry: "
-          f"each log at twice its bound, just before compaction)")  # fmt: skip
+          f"best of {args.repeat} x {args.requests} requests; broker CPU per request (median):")  # fmt: skip
+    print(f"  least_loaded {plain[0] * 1e6:.1f} us (the request {plain[1] * 1e6:.1f}, the step {plain[2] * 1e6:.1f})")
+    for variant in variants[1:]:
+        routed = best[variant]
+        adds = [(r - p) * 1e6 for r, p in zip(routed, plain, strict=True)]
+        print(f"  {variant} {routed[0] * 1e6:.1f} us: +{adds[0]:.1f} us for routing (the request +{adds[1]:.1f} us, "
+              f"{plain[1] * 1e6:.1f} -> {routed[1] * 1e6:.1f}; the step's deltas +{adds[2]:.1f} us, "
+              f"{plain[2] * 1e6:.1f} -> {routed[2] * 1e6:.1f})")  # fmt: skip
+    indexes = {"C": native_index(), "dict": PrefixIndex}
+    for name, new_index in indexes.items():
+        if new_index is None:
+            continue
+        entries, snapshot, worst = index_bytes(args, new_index)
+        print(f"{name} index: {entries} entries (the bound: each engine's KV blocks, {MIN_ENTRIES} at least), "
+              f"{snapshot / 2**20:.1f} MiB from the Hellos ({snapshot / entries:.0f} bytes an entry), "
+              f"{worst / 2**20:.1f} MiB at its worst ({worst / entries:.0f} bytes an entry: "
+              f"each log at twice its bound, just before compaction)")  # fmt: skip
     return 0
 
 

@@ -147,16 +147,28 @@ static void compact(Index *s, held_t *e, uint64_t bit) {
     e->len = n;
 }
 
+/* Start loading the table's line for block i's hash: the search's next probe is one of two known ones, so
+   both are asked for before the current one is read, and a probe waits for memory once, not once a level. */
+static inline void prefetch(Index *s, PyObject *const *hs, Py_ssize_t i) {
+    if (PyLong_CheckExact(hs[i])) {
+        uint64_t h = PyLong_AsUnsignedLongLongMask(hs[i]);
+        __builtin_prefetch(&s->t[home(s, h)]);
+    }
+}
+
 static int apply(Index *s, int slot, PyObject *stored, PyObject *evicted) {
     held_t *e = &s->held[slot];
     uint64_t bit = 1ULL << slot, h;
     PyObject *ev = PySequence_Fast(evicted, "evicted: hashes"), *st = NULL;
     if (!ev) return -1;
+    if (!(st = PySequence_Fast(stored, "stored: hashes"))) goto fail;
+    /* every hash's line asked for at once: their misses overlap, where probing them in turn waits for each */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ev); i++) prefetch(s, PySequence_Fast_ITEMS(ev), i);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(st); i++) prefetch(s, PySequence_Fast_ITEMS(st), i);
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ev); i++) {
         if (key_of(PySequence_Fast_GET_ITEM(ev, i), &h)) goto fail;
         if (clear(s, h, bit)) e->count--;
     }
-    if (!(st = PySequence_Fast(stored, "stored: hashes"))) goto fail;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(st); i++) {
         if (key_of(PySequence_Fast_GET_ITEM(st, i), &h)) goto fail;
         uint64_t *p = insert(s, h);
@@ -254,12 +266,15 @@ static int search(Index *s, PyObject *const *hs, Py_ssize_t len, uint64_t mask, 
     uint64_t h;
     *held = 0; *at = 0;
     if (!len || !mask) return 0;
+    if (len > 1) prefetch(s, hs, len >> 1);
     if (key_of(hs[0], &h)) return -1;
     uint64_t found = get(s, h) & mask;
     if (!found) return 0;
     Py_ssize_t lo = 0, hi = len;
     while (hi - lo > 1) {
         Py_ssize_t mid = (lo + hi) >> 1;
+        if (mid - lo > 1) prefetch(s, hs, (lo + mid) >> 1);
+        if (hi - mid > 1) prefetch(s, hs, (mid + hi) >> 1);
         if (key_of(hs[mid], &h)) return -1;
         uint64_t f = get(s, h) & found;
         if (f) { lo = mid; found = f; } else hi = mid;
