@@ -91,7 +91,7 @@ def native_index() -> type | None:
         __slots__ = ()
 
         def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
-            self._reset(engine, hashes, max(kv_blocks, MIN_ENTRIES))
+            self._reset(engine, hashes, min(max(kv_blocks, MIN_ENTRIES), sys.maxsize))  # a Py_ssize_t
 
         def holders(self, h: int) -> list[bytes]:
             return self.engines_in(self.mask(h))
