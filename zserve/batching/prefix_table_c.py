@@ -319,6 +319,7 @@ static PyObject *decision(PyObject *engine, PyObject *reason, Py_ssize_t matched
 static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (n != 5) { PyErr_SetString(PyExc_TypeError, "route(hashes, least, workers, ratio, slack)"); return NULL; }
     PyObject *workers = a[2], *result = NULL, *least_id = NULL, *seq = NULL;
+    if (!PyDict_Check(workers)) { PyErr_SetString(PyExc_TypeError, "route: workers must be a dict"); return NULL; }
     double ratio = PyFloat_AsDouble(a[3]), slack = PyFloat_AsDouble(a[4]);
     if (PyErr_Occurred()) return NULL;
     if (!(least_id = PyObject_GetAttr(a[1], s_worker_id))) return NULL;

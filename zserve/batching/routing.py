@@ -7,7 +7,7 @@ broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``ma
 entries here (its KV pool cannot cache more; past it, after lost deltas, its oldest entries go), and a lost
 engine's entries go at once (``drop``). It is ``zserve.batching.prefix_table``'s, in C, where the broker's machine
 can build it (64 engines at most; a 65th moves the router to the dict index, ``prefix_index.PrefixIndex``,
-which also serves where no C compiler is found): the same contents and decisions, a third of the CPU.
+which also serves where no C compiler is found): the same contents and decisions, under half the CPU.
 
 The broker adds what it routed and is not finished yet (``InFlightPrompts``): an engine reports the blocks it
 allocated only after the step that allocated them, so without it the requests that arrive during a prefill
@@ -29,7 +29,7 @@ Nothing at all for a model with one engine. Measured with ``python -m bench.gene
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -203,7 +203,7 @@ class PrefixRouter:
             self._route_c = None
             self.index.reset(engine, hashes, kv_blocks)
 
-    def route(self, hashes: Sequence[int], least: Worker, workers: Mapping[bytes, Worker]) -> tuple[bytes, str, int]:
+    def route(self, hashes: Sequence[int], least: Worker, workers: dict[bytes, Worker]) -> tuple[bytes, str, int]:
         """The engine of ``workers`` for a prompt whose blocks hash to ``hashes`` (``least``: the pool's least
         loaded engine with credit), as ``choose`` picks it: the candidates are ``least`` and the engines with
         credit that hold or compute the prompt's first block, so a request costs what they do, not what the
