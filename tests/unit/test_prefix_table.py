@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -203,3 +205,12 @@ def test_the_module_is_built_once_into_the_cache_folder_and_reused(monkeypatch, 
         assert prefix_table.module() is not None and so.stat().st_mtime_ns == mtime  # loaded, not built again
     finally:
         prefix_table.module.cache_clear()
+
+
+def test_the_broker_builds_its_index_without_importing_torch():
+    # the C index is built with the kernels' compile step (zserve.generator.c_build); the broker must stay light
+    code = (
+        "import sys; from zserve.batching.routing import PrefixRouter; r = PrefixRouter();"
+        "assert r._route_c is not None; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
