@@ -63,7 +63,8 @@ def module() -> ModuleType | None:
     if not (Path(include) / "Python.h").exists():
         log.warning("no Python headers (%s/Python.h): the routing index runs in Python (slower)", include)
         return None
-    flags = [*FLAGS, f"-I{include}"]
+    # an extension's CPython symbols are the running interpreter's: macOS's linker must be told to leave them open
+    flags = [*FLAGS, f"-I{include}", *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
     target = _target(cc, flags)
     try:
         if not target.exists():
