@@ -7,15 +7,20 @@ the workloads through HTTP with the ``openai`` client (streamed /v1/completions;
 
   * capacity (least_loaded leg only): ``--calibrate`` random prompts of ``--prefix`` + ``--suffix`` tokens,
     ``--concurrency`` callers in a closed loop; requests/s is the deployment's capacity, and every open-loop
-    rate below is a share of it, the same in both legs;
+    rate below is a share of it, the same in both legs; with the hot workload, as many requests behind the hot
+    prefix measure its own capacity the same way (a hot request's prefix is cached: it costs far less than a
+    cold one, so a rate calibrated on cold prompts would not load an engine);
   * shared: ``--groups`` system prompts of ``--prefix`` tokens, each followed by ``--turns`` different user turns
     of ``--suffix`` tokens, in random order, Poisson arrivals at ``--load`` x capacity;
   * none: as many prompts of random words (``--prefix`` + ``--suffix`` tokens), nothing shared, same arrivals;
   * chats: ``--chats`` conversations of ``--chat-turns`` turns (a ``--chat-system`` token system prompt, user
-    turns of ``--suffix`` tokens), each turn sent when the previous answer came back, its answer in the history;
+    turns of ``--suffix`` tokens), each turn sent when the previous answer came back (after an exponential
+    think time of mean ``--chat-think-ms``, 0 by default: at once), its answer in the history;
   * hot: ``--hot`` requests behind one system prompt of ``--prefix`` tokens, Poisson at ``--hot-load`` x one
-    engine's capacity (capacity / engines); per engine the requests routed to it (the broker's routing
-    counters: cache_aware only), and every request's outcome (answered, 503 at admission, anything else).
+    engine's hot capacity (the hot calibration's / engines); per engine the requests routed to it (the broker's
+    routing counters: cache_aware only), and every request's outcome (answered, 503 at admission, anything else).
+
+``--workloads`` runs a subset (e.g. ``chats``); the ratios are reported for the workloads run.
 
 Reports per leg and workload TTFT p50/p99, output tok/s, and the engines' prefix-cache hit rate (cached prompt
 tokens / prompt tokens, from the broker's health report), with the ratios cache_aware / least_loaded, and the hit
@@ -48,6 +53,7 @@ from bench.generation.zserve_leg import HANDLER, SERVED_NAME, engine_options, re
 
 # the issue's targets: shared TTFT p50 and tok/s, chats' TTFT p50, none's tok/s, hot's busiest engine / mean
 TTFT_TARGET, TOK_S_TARGET, CHAT_TTFT_TARGET, NONE_TOK_S_TARGET, HOT_SKEW_TARGET = 0.5, 1.0, 0.5, 0.97, 1.3
+WORKLOADS = ("shared", "none", "chats", "hot")
 DEADLINE_MS = 300_000  # every request's deadline (the deployment's timeout_ms): answered by then, or refused
 
 
@@ -67,7 +73,9 @@ def workloads(tokenizer: Any, args: argparse.Namespace) -> dict[str, list[GenReq
     calibrate = [random_prompt() for _ in range(args.calibrate)]
     hot_system = text_of_length(tokenizer, args.prefix, rng)
     hot = [request(hot_system + " " + text_of_length(tokenizer, args.suffix, rng)) for _ in range(args.hot)]
-    return {"calibrate": calibrate, "shared": shared, "none": none, "hot": hot}
+    hot_calibrate = [request(hot_system + " " + text_of_length(tokenizer, args.suffix, rng))
+                     for _ in range(args.calibrate)]  # fmt: skip
+    return {"calibrate": calibrate, "shared": shared, "none": none, "hot": hot, "hot_calibrate": hot_calibrate}
 
 
 def chats(tokenizer: Any, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -167,17 +175,22 @@ def open_loop(leg: HttpLeg, requests: list[GenRequest], rate_per_s: float, seed:
     return timings, ended - started, outcomes
 
 
-def chat_loop(leg: HttpLeg, conversations: list[tuple[str, list[str]]], output: int) -> tuple[list, float, list]:
-    """Every conversation at once, each turn sent when the previous answer came back (its text in the prompt).
-    Returns every turn's timing, the wall time, and the TTFTs (s) of the turns after the first."""
+def chat_loop(
+    leg: HttpLeg, conversations: list[tuple[str, list[str]]], output: int, think_ms: float = 0.0, seed: int = 0
+) -> tuple[list, float, list]:
+    """Every conversation at once, each turn sent when the previous answer came back (its text in the prompt),
+    after an exponential think time of mean ``think_ms`` (0: at once). Returns every turn's timing, the wall
+    time, and the TTFTs (s) of the turns after the first."""
     timings: list[Timing] = []
     later: list[float] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def converse(system: str, turns: list[str]) -> None:
+    def converse(system: str, turns: list[str], rng: random.Random) -> None:
         history = system
         for index, turn in enumerate(turns):
+            if index and think_ms:
+                time.sleep(rng.expovariate(1000.0 / think_ms))
             prompt = f"{history}\nUser: {turn}\nAssistant:"
             try:
                 timing, answer = leg.send(GenRequest(prompt, [], output))
@@ -191,7 +204,8 @@ def chat_loop(leg: HttpLeg, conversations: list[tuple[str, list[str]]], output: 
             history = prompt + answer
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=converse, args=c, daemon=True) for c in conversations]
+    threads = [threading.Thread(target=converse, args=(*c, random.Random(seed + i)), daemon=True)
+               for i, c in enumerate(conversations)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -301,9 +315,16 @@ def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Name
     return f"http://127.0.0.1:{port}", clients, stop
 
 
-def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: list[tuple[str, list[str]]],
-            capacity_rps: float | None, args: argparse.Namespace) -> tuple[list[dict], float]:  # fmt: skip
-    """The leg's rows, and the capacity (requests/s) its open loops were driven at a share of."""
+def run_leg(
+    path: str,
+    routing: str,
+    loads: dict[str, list[GenRequest]],
+    talks: list[tuple[str, list[str]]],
+    capacity: dict[str, float] | None,
+    args: argparse.Namespace,
+) -> tuple[list[dict], dict[str, float]]:
+    """The leg's rows, and the capacities (requests/s: "cold" prompts, "hot" requests) its open loops were
+    driven at a share of (measured here when ``capacity`` is None)."""
     import openai
 
     chat_tokens = args.chat_system + args.chat_turns * (args.suffix + args.output + 8)
@@ -325,19 +346,24 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: 
                     raise
                 time.sleep(1.0)
         leg.mismatches.clear()
-        if capacity_rps is None:
-            callers = [loads["calibrate"][i :: args.concurrency] for i in range(args.concurrency)]
-            timings, wall_s = closed_loop(leg, callers)
-            capacity_rps = len(timings) / wall_s
-            print(f"  capacity ({routing}, closed loop c{args.concurrency}, nothing shared): "
-                  f"{capacity_rps:.3f} requests/s")  # fmt: skip
-        rates = {"shared": args.load * capacity_rps, "none": args.load * capacity_rps,
-                 "hot": args.hot_load * capacity_rps / args.engines}  # fmt: skip
-        for name in ("shared", "none", "chats", "hot"):
+        if capacity is None:
+            capacity = {}
+            for kind, pool in (("cold", "calibrate"), ("hot", "hot_calibrate")):
+                if kind == "hot" and "hot" not in args.workloads:
+                    continue
+                callers = [loads[pool][i :: args.concurrency] for i in range(args.concurrency)]
+                timings, wall_s = closed_loop(leg, callers)
+                capacity[kind] = len(timings) / wall_s
+                print(f"  capacity ({routing}, closed loop c{args.concurrency}, {kind}): "
+                      f"{capacity[kind]:.3f} requests/s")  # fmt: skip
+        rates = {"shared": args.load * capacity["cold"], "none": args.load * capacity["cold"]}
+        if "hot" in capacity:
+            rates["hot"] = args.hot_load * capacity["hot"] / args.engines
+        for name in args.workloads:
             before = counters(clients)
             later: list[float] = []
             if name == "chats":
-                timings, wall_s, later = chat_loop(leg, talks, args.output)
+                timings, wall_s, later = chat_loop(leg, talks, args.output, args.chat_think_ms, args.seed)
                 outcomes = {"ok": len(timings)}
             else:
                 timings, wall_s, outcomes = open_loop(leg, loads[name], rates[name], args.seed)
@@ -360,7 +386,7 @@ def run_leg(path: str, routing: str, loads: dict[str, list[GenRequest]], talks: 
         codes = [c.terminate() for c in clients]
     if any(codes):
         raise RuntimeError(f"{routing}: a deployment exited {codes}")
-    return rows, capacity_rps
+    return rows, capacity
 
 
 def skew(row: dict) -> float | None:
@@ -386,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chats", type=int, default=32, help="conversations (default %(default)s)")
     p.add_argument("--chat-turns", type=int, default=6, help="turns per conversation (default %(default)s)")
     p.add_argument("--chat-system", type=int, default=200, help="a conversation's system prompt tokens")
+    p.add_argument("--chat-think-ms", type=float, default=0.0, help="mean think time between a chat's turns")
     p.add_argument("--hot", type=int, default=32, help="requests behind the one hot prefix (default %(default)s)")
-    p.add_argument("--hot-load", type=float, default=2.0, help="their arrivals x one engine's capacity")
+    p.add_argument("--hot-load", type=float, default=2.0, help="their arrivals x one engine's hot capacity")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
+                   help="a comma-separated subset of %(default)s")  # fmt: skip
     p.add_argument("--max-running", type=int, default=16, help="sequences per engine (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -399,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: unknown {sorted(unknown)}, choose from {WORKLOADS}")
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="zserve-routing-bench-") as tmp:
@@ -424,14 +455,25 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(workload: str, key: str) -> float:
         return by["cache_aware", workload][key] / by["least_loaded", workload][key]
 
-    ratios = {
-        "shared_ttft_p50": ratio("shared", "ttft_p50_ms"),
-        "shared_tok_s": ratio("shared", "tok_s"),
-        "shared_hit_vs_one_engine": by["cache_aware", "shared"]["hit_rate"] / ideal if ideal else 0.0,
-        "chats_ttft_p50": ratio("chats", "ttft_p50_ms"),
-        "none_tok_s": ratio("none", "tok_s"),
-        "hot_busiest_vs_mean": skew(by["cache_aware", "hot"]),
-    }
+    ratios: dict[str, float | None] = {}
+    said = []  # each target's figure, for the summary line
+    if "shared" in args.workloads:
+        ratios["shared_ttft_p50"] = ratio("shared", "ttft_p50_ms")
+        ratios["shared_tok_s"] = ratio("shared", "tok_s")
+        ratios["shared_hit_vs_one_engine"] = by["cache_aware", "shared"]["hit_rate"] / ideal if ideal else 0.0
+        said.append(f"shared TTFT p50 {ratios['shared_ttft_p50']:.2f}x (target <= {TTFT_TARGET}), tok/s "
+                    f"{ratios['shared_tok_s']:.2f}x (target >= {TOK_S_TARGET}), hit rate "
+                    f"{ratios['shared_hit_vs_one_engine']:.2f}x one engine's (target >= 0.9)")  # fmt: skip
+    if "chats" in args.workloads:
+        ratios["chats_ttft_p50"] = ratio("chats", "ttft_p50_ms")
+        said.append(f"chats TTFT p50 {ratios['chats_ttft_p50']:.2f}x (target <= {CHAT_TTFT_TARGET})")
+    if "none" in args.workloads:
+        ratios["none_tok_s"] = ratio("none", "tok_s")
+        said.append(f"none tok/s {ratios['none_tok_s']:.2f}x (target >= {NONE_TOK_S_TARGET})")
+    if "hot" in args.workloads:
+        ratios["hot_busiest_vs_mean"] = skew(by["cache_aware", "hot"])
+        said.append(f"hot busiest engine {ratios['hot_busiest_vs_mean'] or 0:.2f}x the mean (target <= "
+                    f"{HOT_SKEW_TARGET}), outcomes {by['cache_aware', 'hot']['outcomes']}")  # fmt: skip
     if ("sglang_router", "shared") in by:  # zserve's broker against the peer router: hit rate >= 1x, TTFT <= 1x
         peer = by["sglang_router", "shared"]
         ratios["shared_hit_vs_sglang_router"] = by["cache_aware", "shared"]["hit_rate"] / max(peer["hit_rate"], 1e-9)
@@ -440,14 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             f"cache_aware / sglang_router (shared): hit rate {ratios['shared_hit_vs_sglang_router']:.2f}x "
             f"(target >= 1.0), TTFT p50 {ratios['shared_ttft_p50_vs_sglang_router']:.2f}x (target <= 1.0)"
         )
-    hot_ok = by["cache_aware", "hot"]["outcomes"]
-    print(f"capacity {capacity:.3f} requests/s; cache_aware / least_loaded: shared TTFT p50 "
-          f"{ratios['shared_ttft_p50']:.2f}x (target <= {TTFT_TARGET}), tok/s {ratios['shared_tok_s']:.2f}x (target >= "
-          f"{TOK_S_TARGET}), hit rate {ratios['shared_hit_vs_one_engine']:.2f}x one engine's (target >= 0.9); chats "
-          f"TTFT p50 {ratios['chats_ttft_p50']:.2f}x (target <= {CHAT_TTFT_TARGET}); none tok/s "
-          f"{ratios['none_tok_s']:.2f}x (target >= {NONE_TOK_S_TARGET}); hot busiest engine "
-          f"{ratios['hot_busiest_vs_mean'] or 0:.2f}x the mean (target <= {HOT_SKEW_TARGET}), outcomes {hot_ok}; "
-          f"{args.engines} engines x {args.threads} threads")  # fmt: skip
+    print(f"capacity {', '.join(f'{k} {v:.3f}' for k, v in capacity.items())} requests/s; cache_aware / "
+          f"least_loaded: {'; '.join(said)}; {args.engines} engines x {args.threads} threads")  # fmt: skip
     out = args.out or RESULTS / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {"args": vars(args) | {"out": str(out)}, "rows": rows, "ideal_hit_rate": ideal, "ratios": ratios,
