@@ -16,7 +16,8 @@ fp32 ("none"; both ``cpu_linear`` native, our C kernels), in process on the engi
 ``ZSERVE_CPU_ISA=avx2`` (with ``c_build.CAPPED``'s variables) measures as an AVX2-only CPU would.
 - ``kernels``: the quantised products alone, on random weights of SmolLM2-135M's shapes in 4-bit (Q4_1's
   form) and 8-bit (Q8_0's): the fp32-activation kernel against int8 activations in two terms and in one, at
-  1, 8, 32 and 256 rows (thread CPU time, best of 15, taking turns).
+  1, 4, 8, 16, 32 and 256 rows (thread CPU time, best of 15, taking turns), and the int8 kernel's layout run
+  at fp32 activations (what a call of many rows runs where the integer products lose: AVX2).
 
 ``--activations fp32,int8`` (step and exactness) loads one kept engine per kernel of the quantised layers,
 forced (``ZSERVE_QUANT_ACTIVATIONS``): fp32 activations (the weights converted in registers) against int8 ones
@@ -108,7 +109,9 @@ def _paths(engine: Generator) -> str:
     found: dict[str, int] = {}
     for m in {id(m): m for m in engine.core.model.modules()}.values():
         if isinstance(m, quant_linear.QuantLinear):
-            found[m.activations or "torch"] = found.get(m.activations or "torch", 0) + 1
+            split = f" (fp32 from {m.many_rows} rows)" if m.many_rows < 2**31 - 1 else ""
+            name = (m.activations or "torch") + split
+            found[name] = found.get(name, 0) + 1
     return ", ".join(f"{n} {a}" for a, n in sorted(found.items()))
 
 
@@ -311,9 +314,10 @@ def kernels(args: argparse.Namespace) -> None:
     isa = c_build.isa().name
     gen = torch.Generator().manual_seed(0)
     print(f"ISA {isa} (int8 dot products: {native_quant_i8.instructions(isa)}), 1 thread; ms for the 4 shapes x 8 "
-          "layers (fp32 activations / int8 two terms / int8 one term) and fp32's time over each")  # fmt: skip
+          "layers (fp32 activations / int8 two terms / int8 one term / the int8 layout at fp32 activations) and "
+          "fp32's time over each")  # fmt: skip
     for bits in (4, 8):
-        runs: dict[str, list] = {"fp32": [], "int8": [], "int8x1": []}
+        runs: dict[str, list] = {"fp32": [], "int8": [], "int8x1": [], "int8-layout-fp32": []}
         for k, n in KERNEL_SHAPES:
             for _ in range(8):  # more weights than the last-level cache: read from memory, as in a step
                 lo, hi = (0, 16) if bits == 4 else (-127, 128)
@@ -323,8 +327,10 @@ def kernels(args: argparse.Namespace) -> None:
                 runs["fp32"].append((native_quant.linear, native_quant.pack(q, s, m, isa, bits), k))
                 runs["int8"].append((native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits, 2), k))
                 runs["int8x1"].append((native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits, 1), k))
+                split = native_quant_i8.pack(q, s, m, isa, bits, 2, many=1)  # every row count at fp32 activations
+                runs["int8-layout-fp32"].append((native_quant_i8.linear, split, k))
         cells = []
-        for rows in (1, 8, 32, 256):
+        for rows in (1, 4, 8, 16, 32, 256):
             xs = {k: torch.randn(rows, k, generator=gen) for k, _ in KERNEL_SHAPES}
             best = dict.fromkeys(runs, math.inf)
             for _ in range(15):
@@ -333,8 +339,9 @@ def kernels(args: argparse.Namespace) -> None:
                     for run, packed, k in layers:
                         run(xs[k], packed, None)
                     best[name] = min(best[name], time.thread_time() - t0)
-            f, i2, i1 = (best[n] * 1e3 for n in ("fp32", "int8", "int8x1"))
-            cells.append(f"{rows} rows {f:.2f} / {i2:.2f} / {i1:.2f} ms ({f / i2:.2f}x, {f / i1:.2f}x)")
+            f, i2, i1, lf = (best[n] * 1e3 for n in ("fp32", "int8", "int8x1", "int8-layout-fp32"))
+            cells.append(f"{rows} rows {f:.2f} / {i2:.2f} / {i1:.2f} / {lf:.2f} ms ({f / i2:.2f}x, {f / i1:.2f}x, "
+                         f"{f / lf:.2f}x)")  # fmt: skip
         print(f"{bits}-bit: " + "; ".join(cells))
 
 

@@ -81,3 +81,29 @@ def test_a_quantised_layer_takes_int8_activations_where_they_measured_faster_ove
     assert kc.choose_activations({1: {fp32: 1.0, int8: 0.5}, 8: {fp32: 1.0, int8: None}}) == fp32  # int8 failed
     assert kc.choose_activations({1: {fp32: None, int8: 0.5}}) == int8  # fp32 failed
     assert kc.choose_activations({}) == fp32
+
+
+def test_the_int8_layout_runs_fp32_activations_from_the_buckets_int8_lost_at_the_top():
+    int8, split, never = kc.INT8, kc.INT8_LAYOUT_FP32, kc.NEVER
+    t = {1: {int8: 1.0, split: 3.0}, 8: {int8: 2.0, split: 2.5}, 32: {int8: 6.0, split: 5.0},
+         128: {int8: 30, split: 20}}  # fmt: skip
+    assert kc.split_rows(t) == 17  # past sqrt(8 * 32) = 16, as Route's limits
+    assert kc.split_rows(t | {8: {int8: 3.0, split: 2.5}}) == 3  # sqrt(1 * 8) = 2.8
+    assert kc.split_rows(t | {128: {int8: 20.0, split: 20.0}}) == never  # int8 held the largest bucket
+    assert kc.split_rows(t | {32: {int8: 5.0, split: 5.0}}) == 65  # only the buckets above the last int8 held
+    assert kc.split_rows(t | {1: {int8: 4.0, split: 3.0}, 8: {int8: 3.0, split: 2.5}}) == 1  # fp32 won everywhere
+    assert kc.split_rows(t | {128: {int8: None, split: 20.0}}) == 17  # int8 failed there: lost it
+    assert kc.split_rows(t | {128: {int8: 30.0, split: None}}) == never
+    assert kc.split_rows({1: {int8: 1.0}}) == never  # not timed: never
+
+
+def test_the_int8_layout_is_kept_where_its_split_makes_it_faster_over_the_row_counts():
+    fp32, int8, split = kc.FP32, kc.INT8, kc.INT8_LAYOUT_FP32
+    # int8 alone loses (geometric mean of 0.5, 1.0, 2.0, 2.0 = 1.19); run fp32 activations at 32 and 128, it wins
+    t = {1: {fp32: 2, int8: 1, split: 3}, 8: {fp32: 2, int8: 2, split: 2.2}, 32: {fp32: 4, int8: 8, split: 4.1},
+         128: {fp32: 10, int8: 20, split: 10}}  # fmt: skip
+    assert kc.choose_activations({r: {fp32: v[fp32], int8: v[int8]} for r, v in t.items()}) == fp32
+    assert kc.split_rows(t) == 17 and kc.choose_activations(t) == int8
+    # int8 failing anywhere (a wrong result) keeps the fp32 kernel, as without a split
+    assert kc.choose_activations(t | {128: {fp32: 10, int8: None, split: 10}}) == fp32
+    assert kc.choose_activations(t | {8: {fp32: 2, int8: None, split: 2.2}}) == fp32

@@ -7,9 +7,12 @@ with each kernel forced and chosen by measurement."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from fuzzing import SLOW
 from gguf import GGMLQuantizationType, quants
 from test_native_quant import FORMS, ROWS, THREADS, _gguf_bytes, _weights
 from torch import nn
@@ -92,6 +95,37 @@ def test_the_kernel_computes_the_product_with_int8_activations(isa, form, rows, 
         assert ((got_strided.double() - i8.reference(strided, q, s, m, None, terms)).abs() <= rounding).all()
 
 
+# the int8 layout at fp32 activations from `many` rows on: below native_quant_i8.MANY_ROWS (6 or 8 rows of 4-bit
+# weights, 12 of 8-bit) the weights converted in registers, from it a group of panels dequantised once (fp32
+# tiles). A sample in CI (~5 s), every row count of the int8 kernel's test and both limits with ZSERVE_SLOW=1
+SPLIT_ROWS = sorted({*ROWS, 7, 12, 33}) if SLOW else [1, 7, 12, 33]
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", c_build.runnable())
+@pytest.mark.parametrize("form", FORMS)
+def test_from_its_split_the_int8_layout_runs_fp32_activations(isa, form):
+    for out, k in [(16, 32), (208, 96), (48, 576)] if SLOW else [(208, 96), (48, 576)]:
+        torch.manual_seed(out + k)
+        bias = torch.randn(out)
+        q, s, m, bits = _weights(form, out, k)
+        fp32_weight = native_quant.dequantize(q, s, m).double()
+        packs = {many: i8.pack(q, s, m, isa, bits, many=many) for many in (1, 9)}
+        for rows in SPLIT_ROWS:
+            x = torch.randn(rows, k)
+            rounding, _ = _bounds(x, q, s, m, bias)  # fp32 rounding of sums over |x| |w|
+            fp32 = x.double() @ fp32_weight.T + bias.double()  # the dequantised weights times x itself
+            int8 = i8.reference(x, q, s, m, bias) if rows < 9 else None
+            for (many, w), threads in itertools.product(packs.items(), THREADS):
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    got = i8.linear(x, w, bias).double()
+                finally:
+                    torch.set_num_threads(before)
+                assert ((got - (fp32 if rows >= many else int8)).abs() <= rounding).all()
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_packed_weights_take_the_fp32_kernels_bytes_and_give_back_their_rows(form):
     torch.manual_seed(3)
@@ -157,7 +191,7 @@ def test_a_quant_linear_runs_the_kernel_forced_on_it(monkeypatch, forced, bits):
 @needs_cc
 def test_unforced_the_kernel_is_chosen_by_measurement(monkeypatch, caplog):
     monkeypatch.delenv(kernel_tune.QUANT_ACTIVATIONS_ENV, raising=False)
-    kernel_tune._measured_quant_path.cache_clear()
+    kernel_tune._measured_quant.cache_clear()
     isa = c_build.isa().name
     with caplog.at_level("INFO", logger="zserve.engine"):
         chosen = kernel_tune.quant_path(64, 96, 4, True, True, isa)
@@ -166,7 +200,16 @@ def test_unforced_the_kernel_is_chosen_by_measurement(monkeypatch, caplog):
                for r in caplog.records)  # fmt: skip
     layer = quant_linear.QuantLinear(torch.randint(0, 16, (64, 96), dtype=torch.int8), torch.rand(64, 3).half().float(),
                                      None, torch.zeros(64, 3), bits=4)  # fmt: skip
-    assert layer.activations == chosen  # the same shape and form: measured once a process
+    # the same shape and form: measured once a process, the row count of its split with it
+    assert (layer.activations, layer.many_rows) == kernel_tune.quant_choice(64, 96, 4, True, True, isa)
+    assert layer.many_rows == kernel_choice.NEVER or (chosen == kernel_choice.INT8 and layer.packed.many >= 1)
+    assert not isinstance(layer.packed, i8.PackedI8) or layer.packed.many == layer.many_rows
+    if layer.many_rows != kernel_choice.NEVER:
+        assert f"fp32 from {layer.many_rows} rows" in repr(layer)
+    x = torch.randn(40, 96)
+    want = x.double() @ layer.dequantized().double().T
+    with torch.inference_mode():
+        assert (layer(x).double() - want).abs().max() < 1e-2  # int8 or fp32 activations: near either way
     # a weight the int8 kernel cannot take is never measured for it
     q = torch.zeros(64, 96, dtype=torch.int8)
     q[0, 0] = -128
@@ -175,7 +218,7 @@ def test_unforced_the_kernel_is_chosen_by_measurement(monkeypatch, caplog):
 
 def test_an_unknown_forced_kernel_measures_instead(monkeypatch, caplog):
     monkeypatch.setenv(kernel_tune.QUANT_ACTIVATIONS_ENV, "int4")
-    monkeypatch.setattr(kernel_tune, "_measured_quant_path", lambda *a: kernel_choice.INT8)
+    monkeypatch.setattr(kernel_tune, "_measured_quant", lambda *a: (kernel_choice.INT8, kernel_choice.NEVER))
     with caplog.at_level("WARNING", logger="zserve.engine"):
         assert kernel_tune.quant_path(64, 96, 8, False, True, "portable") == kernel_choice.INT8
     assert "ZSERVE_QUANT_ACTIVATIONS=int4" in caplog.text

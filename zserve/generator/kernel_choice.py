@@ -27,15 +27,47 @@ MARGIN = 0.97  # another candidate replaces oneDNN where it measured at least 3%
 # native_quant_i8: quantised to two terms of int8, integer dot products; INT8_ONE: one term, never chosen by
 # measurement, less exact: forced only, to measure what the second term buys)
 FP32, INT8, INT8_ONE = "fp32", "int8", "int8x1"
+# a timing's key: the int8 kernel's layout run with fp32 activations (its weights dequantised a group of panels
+# at a time): what a call of many rows runs where the integer products cost more than FMAs (AVX2)
+INT8_LAYOUT_FP32 = "int8-layout-fp32"
+NEVER = 2**31 - 1  # rows from which the int8 layout runs fp32 activations: never
+
+
+def _ok(t: float | None) -> bool:
+    return t is not None and math.isfinite(t)
+
+
+def split_rows(timings: Mapping[int, Mapping[str, float | None]]) -> int:
+    """For one quantised layer shape, {rows: {INT8 / INT8_LAYOUT_FP32: seconds}} -> the row count from which a
+    call on the int8 layout keeps its activations fp32: the first of the largest buckets that fp32 activations
+    won each by ``MARGIN``, from past the geometric mean of it and the bucket below (as ``Route``); ``NEVER``
+    where int8 won (or fp32's failed) at the largest bucket."""
+
+    def fp32_won(t: Mapping[str, float | None]) -> bool:
+        fp32, int8 = t.get(INT8_LAYOUT_FP32), t.get(INT8)
+        return _ok(fp32) and (not _ok(int8) or fp32 < int8 * MARGIN)
+
+    rows = sorted(timings)
+    first = len(rows)
+    while first and fp32_won(timings[rows[first - 1]]):
+        first -= 1
+    if first == len(rows):
+        return NEVER
+    return 1 if first == 0 else math.isqrt(rows[first - 1] * rows[first]) + 1
 
 
 def choose_activations(timings: Mapping[int, Mapping[str, float | None]]) -> str:
-    """For one quantised layer shape, {rows: {FP32 / INT8: seconds}} -> the kernel it runs at every row count
-    (one layout of its weights is kept, not two): int8 where the geometric mean over the row counts of its time
-    over fp32's is below ``MARGIN``; fp32 otherwise, or where int8 failed (None) at any row count."""
+    """For one quantised layer shape, {rows: {FP32 / INT8 (/ INT8_LAYOUT_FP32): seconds}} -> the layout its
+    weights are kept in (one, not two): int8's where the geometric mean over the row counts of its time over
+    fp32's is below ``MARGIN``; fp32 otherwise, or where int8 failed (None) at any row count (a kernel that gave
+    a wrong result once is not trusted at others). Where INT8_LAYOUT_FP32 was timed, the int8 layout's time at a
+    bucket is that of the path it runs there (``split_rows``)."""
     ratios = []
-    for t in timings.values():
-        fp32, int8 = t.get(FP32), t.get(INT8)
+    many = split_rows(timings)
+    for rows, t in timings.items():
+        if not _ok(t.get(INT8)):
+            return FP32
+        fp32, int8 = t.get(FP32), t.get(INT8_LAYOUT_FP32) if rows >= many else t.get(INT8)
         if int8 is None or not math.isfinite(int8):
             return FP32
         if fp32 is None or not math.isfinite(fp32):

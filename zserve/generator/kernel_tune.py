@@ -13,6 +13,7 @@ wrong somewhere, a measurement on the machine is not.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -274,28 +275,39 @@ def _time(
         return None
 
 
-# a quantised layer's kernel, forced: "int8" (activations quantised in two terms of int8, integer dot products),
-# "int8x1" (in one term: less exact) or "fp32" (the weights converted in registers); unset or "auto": measured per
-# shape (quant_path)
+# a quantised layer's kernel, forced: "int8" (activations quantised in two terms of int8, integer dot products, at
+# every row count), "int8x1" (in one term: less exact) or "fp32" (the weights converted in registers); unset or
+# "auto": measured per shape, and where int8 runs, the row count from which its layout runs fp32 activations
+# (quant_choice)
 QUANT_ACTIVATIONS_ENV = "ZSERVE_QUANT_ACTIVATIONS"
-_QUANT_ROWS = (1, 8, 32)  # a decode of one, a few and many sequences
+# a decode of one, a few and many sequences, and a prefill chunk's share: AVX2's integer products lose to FMAs
+# from ~16-64 rows on (issue 36), AVX-512 VNNI's at none of these
+_QUANT_ROWS = (1, 8, 32, 128)
 _QUANT_SAMPLE_OUTPUTS = 1536  # outputs timed of a wider layer: the time per output is the same
 
 
 def quant_path(out_features: int, in_features: int, bits: int, minimums: bool, half: bool, isa: str) -> str:
     """The kernel a quantised layer of this shape and format runs here (``kernel_choice.INT8`` or ``FP32``):
-    ``$ZSERVE_QUANT_ACTIVATIONS`` where it names one, else the faster on random weights of the same form at 1,
-    8 and 32 rows (the thread's CPU time, best of 3; ~10-50 ms a shape, once a process)."""
+    ``quant_choice``'s first half."""
+    return quant_choice(out_features, in_features, bits, minimums, half, isa)[0]
+
+
+def quant_choice(out_features: int, in_features: int, bits: int, minimums: bool, half: bool,
+                 isa: str) -> tuple[str, int]:  # fmt: skip
+    """(the layout a quantised layer of this shape and format keeps here, ``kernel_choice.INT8`` or ``FP32``;
+    where INT8, the row count from which a call runs fp32 activations on it, ``kernel_choice.NEVER`` for none):
+    ``$ZSERVE_QUANT_ACTIVATIONS`` where it names one (no split), else measured on random weights of the same
+    form at 1, 8, 32 and 128 rows (the thread's CPU time, best of 3; ~20-60 ms a shape, once a process)."""
     forced = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto").lower()
     if forced in (kernel_choice.INT8, kernel_choice.INT8_ONE, kernel_choice.FP32):
-        return forced
+        return forced, kernel_choice.NEVER
     if forced != "auto":
         log.warning("%s=%s is not int8, int8x1, fp32 or auto: measuring", QUANT_ACTIVATIONS_ENV, forced)
-    return _measured_quant_path(out_features, in_features, bits, minimums, half, isa, torch.get_num_threads())
+    return _measured_quant(out_features, in_features, bits, minimums, half, isa, torch.get_num_threads())
 
 
 @functools.cache
-def _measured_quant_path(n: int, k: int, bits: int, minimums: bool, half: bool, isa: str, threads: int) -> str:
+def _measured_quant(n: int, k: int, bits: int, minimums: bool, half: bool, isa: str, threads: int) -> tuple[str, int]:
     width, out = c_build.ISAS[isa].width, n
     n = min(n, max(width, _QUANT_SAMPLE_OUTPUTS // width * width))
     gen = torch.Generator().manual_seed(0)
@@ -306,11 +318,15 @@ def _measured_quant_path(n: int, k: int, bits: int, minimums: bool, half: bool, 
         s, m = s.half().float(), None if m is None else m.half().float()
     runs = {kernel_choice.FP32: (native_quant.linear, native_quant.pack(q, s, m, isa, bits))}
     if native_quant_i8.applies(q, n, k, isa):
-        runs[kernel_choice.INT8] = (native_quant_i8.linear, native_quant_i8.pack(q, s, m, isa, bits))
+        packed = native_quant_i8.pack(q, s, m, isa, bits)
+        runs[kernel_choice.INT8] = (native_quant_i8.linear, packed)
+        runs[kernel_choice.INT8_LAYOUT_FP32] = (native_quant_i8.linear, dataclasses.replace(packed, many=1))
     clock = _clock()
     timings: dict[int, dict[str, float | None]] = {}
     with torch.inference_mode():
         for rows in _QUANT_ROWS:
+            # all the sample's outputs at every row count: the int8 kernel quantises x once a call, so a timing
+            # of fewer outputs would weigh that more than a layer's call does (0.9x against 1.3x at 32 rows)
             x = torch.randn(rows, k, generator=gen)
             timings[rows] = {kernel_choice.INT8: None}
             for name, (run, packed) in runs.items():
@@ -322,11 +338,13 @@ def _measured_quant_path(n: int, k: int, bits: int, minimums: bool, half: bool, 
                     best = min(best, clock() - t0)
                 timings[rows][name] = best
     chosen = kernel_choice.choose_activations(timings)
+    many = kernel_choice.split_rows(timings) if chosen == kernel_choice.INT8 else kernel_choice.NEVER
     ratios = ", ".join(
         f"{r} rows {t[kernel_choice.FP32] / t[kernel_choice.INT8]:.2f}x" for r, t in timings.items()
         if t.get(kernel_choice.INT8)
     )  # fmt: skip
     form = f"{bits}-bit{' with minimums' if minimums else ''}"
-    log.info("quantised %dx%d %s products on %s: %s activations (int8 against fp32: %s)", k, out, form, isa,
-             chosen, ratios or "int8 unavailable")  # fmt: skip
-    return chosen
+    split = f", fp32 activations from {many} rows" if many != kernel_choice.NEVER else ""
+    log.info("quantised %dx%d %s products on %s: %s activations%s (int8 against fp32: %s)", k, out, form, isa,
+             chosen, split, ratios or "int8 unavailable")  # fmt: skip
+    return chosen, many

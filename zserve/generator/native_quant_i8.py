@@ -26,8 +26,15 @@ for the instruction: ``i8`` [N/VW][K/32][8][VW][4] (four consecutive inputs of o
 ``u4`` [N/VW][K/32][4][VW][4] with the block's inputs 0-15 in the low nibbles and 16-31 in the high ones.
 Scales and minimums as ``native_quant``'s ([N/VW][K/32][VW], fp16 where exact): the same bytes a weight.
 
-Which kernel runs a layer is measured when the layer is made (``kernel_tune.quant_path``), or forced with
-``ZSERVE_QUANT_ACTIVATIONS=int8|int8x1|fp32`` (int8x1: one term).
+The same layout runs fp32 activations too, from ``PackedI8.many`` rows on: the weights converted in registers
+(QTILE, a few rows) or a group of panels dequantised once into fp32 tiles (many rows), each weight the
+dequantised one, as ``native_quant``'s kernel computes. On AVX2 two terms of ``vpmaddubsw`` + ``vpmaddwd`` cost
+more than FMAs from ~3 rows (8-bit weights) or ~16-24 (4-bit), while they win at 1 row by 1.7-2.2x; one layout
+kept (not two), the row count of a call picks the path.
+
+Which kernel runs a layer, and from how many rows its calls keep fp32 activations, is measured when the layer is
+made (``kernel_tune.quant_choice``), or forced with ``ZSERVE_QUANT_ACTIVATIONS=int8|int8x1|fp32`` (int8x1: one
+term; int8 and int8x1 at every row count).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zserve.generator import c_build, native_quant
+from zserve.generator import c_build, kernel_choice, native_linear, native_quant
 
 BLOCK = native_quant.BLOCK
 # The activations in two terms of int8 by default, x ~ d (xq + xr / 128): one term alone moved SmolLM2-135M
@@ -47,6 +54,7 @@ BLOCK = native_quant.BLOCK
 # fp32-activation product) 0.999995, 99.84%, -0.014%, at twice the integer products: free while a step reads its
 # weights from memory (1 row), 1.3-1.5x the fp32-activation kernel's speed at 256 rows on AVX-512
 TERMS = 2
+NEVER = kernel_choice.NEVER  # PackedI8.many where every row count runs the integer products
 FORMATS = ("i8", "i8m", "u4m")  # as native_quant's: 8-bit, 8-bit with minimums, 4-bit two a byte with minimums
 
 # (rows a block of rows takes at most, panels for each of 1..cap rows) for the 8-bit formats and for u4m: an
@@ -63,6 +71,12 @@ SCHEDULES = {
 
 # tiles of up to this many rows x panels sum a block in two chains of dot products (what registers allow)
 DUAL_MAX = {"avx512": 6, "avx2": 2, "portable": 2}
+
+# (8-bit formats, u4m): from this many rows on, a call at fp32 activations (PackedI8.many) dequantises a group of
+# panels once and runs fp32 tiles; below, it converts the weights in registers (QTILE). AVX2, 1 thread, SmolLM2's
+# shapes from memory: 8-bit dequantised 0.69x / 0.84x / 0.96x / 1.04x / 1.12x the fp32 kernel's speed at 4 / 8 /
+# 16 / 32 / 64 rows, in registers 0.95x / 0.98x / 0.87x (12 rows) / 0.90x; u4m as native_quant's own rule (MANY_ROWS)
+MANY_ROWS = {isa: (12, native_quant.MANY_ROWS[isa]) for isa in ("avx512", "avx2", "portable")}
 
 # A decode step streams the weights from memory: the tiles prefetch the block this many blocks ahead of the one
 # they compute (a layer of 1 row on AVX-512 at 33 MB: 2.4 -> 1.8-1.9 ms; hardware prefetch alone follows
@@ -101,15 +115,22 @@ static inline vb i8_prep(vb w) { return w ^ (uint8_t)0x80; }
 static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) { (void)xa; return dot_u(acc, w, x); }
 #elif VW == 8 && defined(__AVX2__)
 #define INT_PATH "avx2"
+/* each sum kept in a register as it is made: GCC otherwise reassociates a tile's integer sums, makes every
+   product first and spills them all to the stack (4 rows: 64 products stored and loaded again a block) */
+#define KEEP(v) __asm__("" : "+x"(v))
 #define HAVE_DOT16
 static inline vfi dot_u(vfi acc, vb w, const int8_t *x) {
     const __m256i p = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x)));
-    return acc + (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    acc += (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    KEEP(acc);
+    return acc;
 }
 /* 4-bit weights: a block's vpmaddubsw pairs summed in 16 bits (8 of them at most 8 * 2 * 15 * 127 < 2^15), one
    vpmaddwd a block rather than one a pair */
 static inline vfi dot16(vfi h, vb w, const int8_t *x) {
-    return (vfi)_mm256_add_epi16((__m256i)h, _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x))));
+    h = (vfi)_mm256_add_epi16((__m256i)h, _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(four(x))));
+    KEEP(h);
+    return h;
 }
 static inline vfi widen16(vfi h) { return (vfi)_mm256_madd_epi16((__m256i)h, _mm256_set1_epi16(1)); }
 #define I8_OFFSET 0
@@ -118,7 +139,9 @@ static inline vb i8_prep(vb w) { return w; }
 static inline vfi dot_s(vfi acc, vb w, const int8_t *x, const uint8_t *xa) {
     const __m256i sw = _mm256_sign_epi8((__m256i)w, _mm256_set1_epi32(four(x)));
     const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi32(four((const int8_t *)xa)), sw);
-    return acc + (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    acc += (vfi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    KEEP(acc);
+    return acc;
 }
 #else
 #define INT_PATH "portable"
@@ -235,6 +258,58 @@ const char *zserve_qlinear_i8_path(void) { return INT_PATH; }
     }
 """
 
+_QTILE = r"""
+/* fp32 activations on this layout, the weights converted in registers (native_quant's tile, its conversion by
+   shifts out of the 32-bit lanes): y[MB rows][NP * VW] (+)= x[MB][K] (q * s + m)^T, the minimums once a block
+   times the block's sum of x (xs [MB][K/32]). What a few rows run where the integer products cost more than
+   FMAs (AVX2's 8-bit weights from ~3 rows); many rows dequantise a group of panels once instead (many_rows) */
+#define QTILE(MB, NP, FMT, HALF)                                                                             \
+    static void qtile_##MB##_##NP##_##FMT##_##HALF(const float *x, long ldx, const void *q, const void *s,   \
+                                                  const void *mn, const float *xs, int K, const float *bias, \
+                                                  float *y, long ldy) {                                      \
+        const int KB = K / 32;                                                                               \
+        const long qstep = FMT == 2 ? (long)K * VW / 2 : (long)K * VW;                                       \
+        vf acc[MB][NP];                                                                                      \
+        for (int p = 0; p < NP; p++) {                                                                       \
+            const vf b = bias ? vload(bias + p * VW) : (vf){0};                                              \
+            for (int m = 0; m < MB; m++) acc[m][p] = b;                                                      \
+        }                                                                                                    \
+        for (int kb = 0; kb < KB; kb++) {                                                                    \
+            vf sc[NP];                                                                                       \
+            for (int p = 0; p < NP; p++) sc[p] = SLOAD(HALF, s, ((long)p * KB + kb) * VW);                   \
+            for (int j = 0; j < (FMT == 2 ? 4 : 8); j++) {                                                   \
+                vfi v[NP];                                                                                   \
+                for (int p = 0; p < NP; p++)                                                                 \
+                    memcpy(&v[p], (const uint8_t *)q + p * qstep + ((long)kb * (FMT == 2 ? 4 : 8) + j) * 4 * VW, \
+                           sizeof(vfi));                                                                     \
+                for (int t = 0; t < 4; t++) {                                                                \
+                    vf w0[NP], w1[NP];                                                                       \
+                    for (int p = 0; p < NP; p++) {                                                           \
+                        if (FMT == 2) {                                                                      \
+                            w0[p] = __builtin_convertvector((v[p] >> (8 * t)) & 15, vf) * sc[p];             \
+                            w1[p] = __builtin_convertvector((v[p] >> (8 * t + 4)) & 15, vf) * sc[p];         \
+                        } else                                                                               \
+                            w0[p] = __builtin_convertvector((v[p] << (24 - 8 * t)) >> 24, vf) * sc[p];       \
+                    }                                                                                        \
+                    for (int m = 0; m < MB; m++) {                                                           \
+                        const float x0 = x[m * ldx + kb * 32 + 4 * j + t];                                   \
+                        const float x1 = FMT == 2 ? x[m * ldx + kb * 32 + 16 + 4 * j + t] : 0.f;             \
+                        for (int p = 0; p < NP; p++)                                                         \
+                            acc[m][p] = FMT == 2 ? acc[m][p] + x0 * w0[p] + x1 * w1[p] : acc[m][p] + x0 * w0[p]; \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            if (FMT != 0)                                                                                    \
+                for (int p = 0; p < NP; p++) {                                                               \
+                    const vf mv = SLOAD(HALF, mn, ((long)p * KB + kb) * VW);                                 \
+                    for (int m = 0; m < MB; m++) acc[m][p] += xs[(long)m * KB + kb] * mv;                    \
+                }                                                                                            \
+        }                                                                                                    \
+        for (int m = 0; m < MB; m++)                                                                         \
+            for (int p = 0; p < NP; p++) vstore(y + m * ldy + p * VW, acc[m][p]);                            \
+    }
+"""
+
 _ENTRY = r"""
 /* rows m0..m1 of x quantised per block of 32 (llama.cpp's quantize_row_q8_0, with d in fp32): d = max |x| / 127,
    xq = x / d rounded to nearest even (rintf, the default rounding mode); where terms is 2, the rest as a second
@@ -281,14 +356,122 @@ void zserve_quantize_rows(const float *x, long ldx, int M, int K, int terms, int
     free(xa), free(xs), free(sq);
 }
 
+/* One panel of this kernel's layout (format fmt) -> fp32 [K][VW] at w: q * s (+ m), each weight the
+   dequantised one. A 32-bit lane holds 4 consecutive inputs of one output (u4m: their low nibbles inputs 4j..4j+3
+   of the block, the high ones 16 + 4j..): shifts take each out of all VW lanes at once */
+static void dequant_panel(const void *q, const void *s, const void *mn, int fmt, int half, int K, float *w) {
+    const int KB = K / 32;
+    for (int kb = 0; kb < KB; kb++) {
+        const vf sc = SLOAD(half, s, (long)kb * VW);
+        const vf mv = fmt ? SLOAD(half, mn, (long)kb * VW) : (vf){0};
+        float *out = w + (long)kb * 32 * VW;
+        if (fmt == 2)
+            for (int j = 0; j < 4; j++) {
+                vfi v;
+                memcpy(&v, (const uint8_t *)q + ((long)kb * 4 + j) * 4 * VW, sizeof v);
+                for (int t = 0; t < 4; t++) {
+                    const vfi lo = (v >> (8 * t)) & 15, hi = (v >> (8 * t + 4)) & 15;
+                    vstore(out + (4 * j + t) * VW, __builtin_convertvector(lo, vf) * sc + mv);
+                    vstore(out + (16 + 4 * j + t) * VW, __builtin_convertvector(hi, vf) * sc + mv);
+                }
+            }
+        else
+            for (int j = 0; j < 8; j++) {
+                vfi v;
+                memcpy(&v, (const int8_t *)q + ((long)kb * 8 + j) * 4 * VW, sizeof v);
+                for (int t = 0; t < 4; t++) /* the byte to the top, then arithmetic shift: its sign extended */
+                    vstore(out + (4 * j + t) * VW, __builtin_convertvector((v << (24 - 8 * t)) >> 24, vf) * sc + mv);
+            }
+    }
+}
+
+/* M >= many rows: activations stay fp32. Each group of panels is dequantised once (a scratch of its own) and
+   runs through native_linear's fp32 tiles for every block of rows, as native_quant's many-row path: at 32 rows
+   and more on AVX2 the integer products (two terms of vpmaddubsw + vpmaddwd) cost more than the FMAs */
+static int many_rows(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt,
+                     int half, int N, int K, const float *bias, float *y, long ldy, int threads, size_t qbytes,
+                     size_t sbytes) {
+    const int blocks = (M + FCAP - 1) / FCAP, rows = (M + blocks - 1) / blocks;
+    const int np = FPANELS[rows], panels = N / VW, groups = (panels + np - 1) / np;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int g = 0; g < groups; g++) {
+        float *w = malloc(sizeof(float) * (size_t)np * K * VW);
+        if (!w) {
+            failed = 1;
+            continue;
+        }
+        const int p0 = g * np, count = panels - p0 < np ? panels - p0 : np, width = count < np ? 1 : np;
+        for (int i = 0; i < count; i++) {
+            const int p = p0 + i;
+            dequant_panel((const char *)q + p * qbytes, (const char *)s + p * sbytes,
+                          mn ? (const char *)mn + p * sbytes : 0, fmt, half, K, w + (long)i * K * VW);
+        }
+        for (int i = 0; i < count; i += width) {
+            const float *b = bias ? bias + (p0 + i) * VW : 0;
+            for (int m0 = 0; m0 < M; m0 += rows) {
+                const int mb = M - m0 < rows ? M - m0 : rows;
+                float *out = y + (long)m0 * ldy + (p0 + i) * VW;
+                FTILES[mb][width](x + (long)m0 * ldx, ldx, w + (long)i * K * VW, K, b, out, ldy);
+            }
+        }
+        free(w);
+    }
+    return failed ? -2 : 0;
+}
+
+/* fewer rows than QMANY at fp32 activations: QTILES in native_quant's schedules, as its kernel runs */
+static int few_rows(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt, int half,
+                    int N, int K, const float *bias, float *y, long ldy, int threads) {
+    const int KB = K / 32;
+    float *xs = 0; /* each row's sum over each block: what the blocks' minimums multiply */
+    if (fmt) {
+        xs = malloc(sizeof(float) * (size_t)M * KB);
+        if (!xs) return -2;
+        for (int m = 0; m < M; m++)
+            for (int kb = 0; kb < KB; kb++) {
+                float t = 0.f;
+                for (int k = kb * 32; k < kb * 32 + 32; k++) t += x[(long)m * ldx + k];
+                xs[(long)m * KB + kb] = t;
+            }
+    }
+    const size_t qbytes = fmt == 2 ? (size_t)K * VW / 2 : (size_t)K * VW, sbytes = (half ? 2 : 4) * (size_t)KB * VW;
+    const qtile_fn(*table)[QMAXP + 1] = QTILES[fmt * 2 + (half != 0)];
+    const int cap = QCAP[fmt == 2], blocks = (M + cap - 1) / cap, rows = (M + blocks - 1) / blocks;
+    const int np = QPANELS[fmt == 2][rows], panels = N / VW, groups = (panels + np - 1) / np;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int g = 0; g < groups; g++) {
+        const int p0 = g * np, width = panels - p0 < np ? 1 : np;
+        for (int p = p0; p < p0 + np && p < panels; p += width) {
+            const char *qp = (const char *)q + p * qbytes, *sp = (const char *)s + p * sbytes;
+            const char *mp = mn ? (const char *)mn + p * sbytes : 0;
+            const float *b = bias ? bias + p * VW : 0;
+            for (int m0 = 0; m0 < M; m0 += rows) {
+                const int mb = M - m0 < rows ? M - m0 : rows;
+                table[mb][width](x + (long)m0 * ldx, ldx, qp, sp, mp, xs ? xs + (long)m0 * KB : 0, K, b,
+                                 y + (long)m0 * ldy + p * VW, ldy);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}
+
 /* y [M][N] (row stride ldy) = x [M][K] quantised (in terms 1 or 2 of int8) (q * s + mn)^T (+ bias [N]) in format
    fmt (0 i8, 1 i8m, 2 u4m), scales and minimums fp16 where half; N a multiple of VW, K of 32. x is quantised
    first (its rows split over the threads), then rows in blocks of even size up to CAP against groups of
-   PANELS[r] panels, the groups split over `threads` threads (torch's OpenMP pool), as native_quant's kernel. */
+   PANELS[r] panels, the groups split over `threads` threads (torch's OpenMP pool), as native_quant's kernel.
+   From `many` rows on, x stays fp32 (many_rows). */
 int zserve_qlinear_i8(const float *x, long ldx, int M, const void *q, const void *s, const void *mn, int fmt,
-                      int half, int N, int K, const float *bias, float *y, long ldy, int threads, int terms) {
+                      int half, int N, int K, const float *bias, float *y, long ldy, int threads, int terms,
+                      int many) {
     if (K % 32 || fmt < 0 || fmt > 2 || (fmt && !mn) || terms < 1 || terms > 2) return -1;
     const int KB = K / 32;
+    if (M >= many && M >= QMANY[fmt == 2])
+        return many_rows(x, ldx, M, q, s, mn, fmt, half, N, K, bias, y, ldy, threads,
+                         fmt == 2 ? (size_t)K * VW / 2 : (size_t)K * VW, (half ? 2 : 4) * (size_t)KB * VW);
+    if (M >= many)
+        return few_rows(x, ldx, M, q, s, mn, fmt, half, N, K, bias, y, ldy, threads);
     int8_t *xq = malloc((size_t)M * K * terms);
     uint8_t *xa = malloc((size_t)M * K * terms);
     float *dx = malloc(sizeof(float) * (size_t)M * KB * 2);
@@ -351,8 +534,35 @@ def source(isa: str, schedules: tuple | None = None, dual: int | None = None, pr
         )
         return "    {\n" + "\n".join(rows) + "\n    },"
 
-    def row(values: tuple[int, ...]) -> str:
+    def row(values: tuple[int, ...], cap: int = cap) -> str:
         return "{" + ", ".join(map(str, (0, *values, *[values[-1]] * (cap - len(values))))) + "}"
+
+    # the many-row path's fp32 tiles: native_quant's schedule for them
+    fcap, fpanels = native_quant._SCHEDULES[isa][0]
+    ftiles = sorted({(mb, np) for r in range(1, fcap + 1) for mb in range(1, r + 1) for np in (fpanels[r - 1], 1)})
+    fmaxp = max(fpanels)
+    ftable = "\n".join(
+        "    {" + ", ".join(f"ftile_{mb}_{np}" if (mb, np) in ftiles else "0" for np in range(fmaxp + 1)) + "},"
+        for mb in range(fcap + 1)
+    )
+    # the few-row fp32-activation tiles: native_quant's schedules (8-bit formats, u4m)
+    qsched = native_quant._SCHEDULES[isa]
+    qcap = max(c for c, _ in qsched)
+    qmaxp = max(max(p) for _, p in qsched)
+
+    def qtiles(fmt: int) -> list[tuple[int, int]]:
+        cap, panels = qsched[fmt == 2]
+        return sorted({(mb, np) for r in range(1, cap + 1) for mb in range(1, r + 1) for np in (panels[r - 1], 1)})
+
+    def qtable(fmt: int, half: int) -> str:
+        have = set(qtiles(fmt))
+        rows = (
+            "        {"
+            + ", ".join(f"qtile_{mb}_{np}_{fmt}_{half}" if (mb, np) in have else "0" for np in range(qmaxp + 1))
+            + "},"
+            for mb in range(qcap + 1)
+        )
+        return "    {\n" + "\n".join(rows) + "\n    },"
 
     return (
         c_build.vectors(c_build.ISAS[isa].width)
@@ -363,6 +573,21 @@ def source(isa: str, schedules: tuple | None = None, dual: int | None = None, pr
         + "typedef void (*itile_fn)(const int8_t *, const uint8_t *, const float *, const float *, const int32_t *,"
         + " int, const void *, const void *, const void *, const float *, float *, long);\n"
         + native_quant._CONVERT
+        + f"#define FCAP {fcap}\nstatic const int FPANELS[{fcap + 1}] = {row(fpanels, fcap)};\n"
+        + "typedef void (*ftile_fn)(const float *, long, const float *, int, const float *, float *, long);\n"
+        + native_linear.fp32_tile_source("FTILE", "ftile")
+        + "\n".join(f"FTILE({mb}, {np})" for mb, np in ftiles)
+        + f"\nstatic const ftile_fn FTILES[{fcap + 1}][{fmaxp + 1}] = {{\n{ftable}\n}};\n"
+        + f"static const int QCAP[2] = {{{qsched[0][0]}, {qsched[1][0]}}};\n#define QMAXP {qmaxp}\n"
+        + f"static const int QPANELS[2][{qcap + 1}] = {{{row(qsched[0][1], qcap)}, {row(qsched[1][1], qcap)}}};\n"
+        + f"static const int QMANY[2] = {{{MANY_ROWS[isa][0]}, {MANY_ROWS[isa][1]}}};\n"
+        + "typedef void (*qtile_fn)(const float *, long, const void *, const void *, const void *, const float *,"
+        + " int, const float *, float *, long);\n"
+        + _QTILE
+        + "\n".join(f"QTILE({mb}, {np}, {fmt}, {half})" for fmt, half in combos for mb, np in qtiles(fmt))
+        + f"\nstatic const qtile_fn QTILES[{len(combos)}][{qcap + 1}][{qmaxp + 1}] = {{\n"
+        + "\n".join(qtable(fmt, half) for fmt, half in combos)
+        + "\n};\n"
         + _DOT
         + "\n".join(
             f"ITILE({mb}, {np}, {fmt}, {half}, {res})"
@@ -386,7 +611,7 @@ def _library(isa: str, schedules: tuple | None = None) -> ctypes.CDLL | None:
         return None
     ptr, c_long, c_int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.zserve_qlinear_i8.argtypes = [ptr, c_long, c_int, ptr, ptr, ptr, c_int, c_int, c_int, c_int, ptr, ptr, c_long,
-                                      c_int, c_int]  # fmt: skip
+                                      c_int, c_int, c_int]  # fmt: skip
     lib.zserve_qlinear_i8.restype = c_int
     lib.zserve_quantize_rows.argtypes = [ptr, c_long, c_int, c_int, c_int, ptr, ptr]
     lib.zserve_quantize_rows.restype = None
@@ -418,6 +643,9 @@ class PackedI8(native_quant.Packed):
     ``native_quant.Packed``'s; ``terms``: the activations in 1 or 2 terms of int8 (``TERMS``)."""
 
     terms: int = 2
+    # from this many rows on a call keeps its activations fp32 (the weights dequantised a group of panels at a
+    # time, fp32 tiles): where the integer products cost more than FMAs (AVX2's two terms from ~8-16 rows)
+    many: int = NEVER
 
     @property
     def width(self) -> int:
@@ -455,7 +683,7 @@ class PackedI8(native_quant.Packed):
 
 
 def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: str | None = None,
-         bits: int = 8, terms: int = TERMS) -> PackedI8:  # fmt: skip
+         bits: int = 8, terms: int = TERMS, many: int = NEVER) -> PackedI8:  # fmt: skip
     """(q [N, K] integers, s and m [N, K/32] or m None) -> this kernel's layout for ``isa``, in the format
     ``native_quant.pack`` would choose (``u4m`` where ``bits`` is 4, else ``i8`` / ``i8m``), its activations
     to be quantised in ``terms`` terms."""
@@ -474,7 +702,7 @@ def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: s
         qp, fmt = v.contiguous(), "i8" if m is None else "i8m"
     half = native_quant._exact_half(s) and (m is None or native_quant._exact_half(m))
     sp = native_quant.pack_blocks(s, isa, half)
-    return PackedI8(fmt, qp, sp, None if m is None else native_quant.pack_blocks(m, isa, half), isa, terms)
+    return PackedI8(fmt, qp, sp, None if m is None else native_quant.pack_blocks(m, isa, half), isa, terms, many)
 
 
 def quantize_activations(x: torch.Tensor, terms: int = TERMS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,7 +769,7 @@ def linear(x: torch.Tensor, w: PackedI8, bias: torch.Tensor | None) -> torch.Ten
     y = torch.empty((count, n), dtype=torch.float32)
     if count:
         rc = kernel(rows.data_ptr(), rows.stride(0), count, *args, None if bias is None else bias.data_ptr(),
-                    y.data_ptr(), n, torch.get_num_threads(), w.terms)  # fmt: skip
+                    y.data_ptr(), n, torch.get_num_threads(), w.terms, w.many)  # fmt: skip
         if rc:
             raise RuntimeError(f"int8 quantised linear: K = {k} is not a multiple of {BLOCK}, or out of memory ({rc})")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

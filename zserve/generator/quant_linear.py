@@ -50,21 +50,23 @@ class QuantLinear(nn.Module):
         self.packed: native_quant.Packed | None = None
         self.fmt = ""  # the kernel's format (native_quant.FORMATS) where it runs
         # its activations where the kernel runs: fp32 (native_quant) or int8 (native_quant_i8: two terms, or one
-        # where forced to int8x1), measured per shape
+        # where forced to int8x1), measured per shape; on int8's layout, calls of ``many_rows`` rows or more run
+        # fp32 activations (measured: AVX2's integer products lose to FMAs at many rows)
         self.activations = ""
+        self.many_rows = kernel_choice.NEVER
         if self.native:
             self.activations = kernel_choice.FP32
             if native_quant_i8.applies(q, self.out_features, self.in_features, self.isa):
                 minimums = m is not None or bits == 4
                 half = native_quant._exact_half(s) and (m is None or native_quant._exact_half(m))
-                self.activations = kernel_tune.quant_path(
+                self.activations, self.many_rows = kernel_tune.quant_choice(
                     self.out_features, self.in_features, bits, minimums, half, self.isa
                 )
             if self.activations == kernel_choice.FP32:
                 self.packed = native_quant.pack(q, s, m, self.isa, bits)
             else:
                 terms = 1 if self.activations == kernel_choice.INT8_ONE else 2
-                self.packed = native_quant_i8.pack(q, s, m, self.isa, bits, terms)
+                self.packed = native_quant_i8.pack(q, s, m, self.isa, bits, terms, self.many_rows)
             self.fmt, q, s, m = self.packed.fmt, self.packed.q, self.packed.s, self.packed.m
         else:
             s, m = s.float(), None if m is None else m.float()
@@ -113,7 +115,8 @@ class QuantLinear(nn.Module):
         return nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        route = f"native:{self.isa}, {self.activations} activations" if self.native else "torch"
+        split = f" (fp32 from {self.many_rows} rows)" if self.many_rows != kernel_choice.NEVER else ""
+        route = f"native:{self.isa}, {self.activations} activations{split}" if self.native else "torch"
         form = self.fmt or f"int{self.bits}"
         return f"{self.in_features} -> {self.out_features}, {form}, bias={self.bias is not None}, {route}"
 
