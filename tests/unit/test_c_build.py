@@ -88,3 +88,26 @@ void exps(const float *x, float *out, int n) { for (int i = 0; i < n; i += VW) v
     e = torch.empty_like(y)
     lib.exps(ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(e.data_ptr()), ctypes.c_int(y.numel()))
     torch.testing.assert_close(e, y.exp(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not c_build.has_compiler(), reason="no C compiler here")
+def test_a_damaged_cached_library_is_built_again_not_loaded(monkeypatch, tmp_path):
+    """A library cut short after its build (a crash, a bad copy) killed the engine with SIGBUS in dlopen: its seal
+    (size, sha256) no longer matches, so it is built again."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    code = (
+        "from zserve.generator import c_build; "
+        "lib = c_build.build('probe', 'int seven(void) { return 7; }', ['-O1', '-shared', '-fPIC'], 'the probe'); "
+        "assert lib is not None and lib.seven() == 7"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    [so] = (tmp_path / "kernels").glob("*.so")
+    whole = so.read_bytes()
+    for size in (0, 4096):
+        so.write_bytes(whole[:size])
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, (size, run.returncode, run.stderr[-2000:])
+        assert so.read_bytes() == whole

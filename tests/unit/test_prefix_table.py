@@ -10,6 +10,8 @@ import logging
 import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -198,8 +200,8 @@ def test_the_module_is_built_once_into_the_cache_folder_and_reused(monkeypatch, 
     try:
         built = prefix_table.module()
         assert built is not None
-        [so] = (tmp_path / "kernels").iterdir()
-        assert so.name.startswith(prefix_table.NAME)
+        [so] = (tmp_path / "kernels").glob("*.so")
+        assert so.name.startswith(prefix_table.NAME) and so.with_name(so.name + ".sha256").exists()
         mtime = so.stat().st_mtime_ns
         prefix_table.module.cache_clear()
         assert prefix_table.module() is not None and so.stat().st_mtime_ns == mtime  # loaded, not built again
@@ -214,3 +216,48 @@ def test_the_broker_builds_its_index_without_importing_torch():
         "assert r._route_c is not None; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("size", [0, 4096])
+def test_a_damaged_cached_build_is_built_again_not_loaded(monkeypatch, tmp_path, size):
+    # a .so cut short (a crash after the build, a bad copy): loading it died of SIGBUS in dlopen (4 KiB) or ran
+    # the dict index for good (empty); its seal no longer matches, so it is built again and the C index serves
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    prefix_table.module.cache_clear()
+    try:
+        assert prefix_table.module() is not None
+    finally:
+        prefix_table.module.cache_clear()
+    [so] = (tmp_path / "kernels").glob("*.so")
+    whole = so.stat().st_size
+    cut = so.with_name("cut")  # a new file: this process maps the old one, which must stay whole
+    cut.write_bytes(so.read_bytes()[:size])
+    cut.replace(so)
+    code = "from zserve.batching.routing import PrefixRouter; assert PrefixRouter()._route_c is not None"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert so.stat().st_size == whole
+
+
+def test_a_compiler_that_hangs_is_given_up_on_and_the_dict_index_serves(monkeypatch, tmp_path, caplog):
+    # a broker must start within its liveness probe: the build is killed (the compiler's children too)
+    pid_file = tmp_path / "child.pid"
+    cc = tmp_path / "hangcc"
+    cc.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid_file}\nwait\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("ZSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(prefix_table, "BUILD_TIMEOUT_S", 0.5)
+    prefix_table.module.cache_clear()
+    prefix_table.native_index.cache_clear()
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, "zserve.broker"):
+            router = PrefixRouter()
+        assert time.monotonic() - start < 5 and router._route_c is None
+        assert "timed out" in caplog.text
+    finally:
+        prefix_table.module.cache_clear()
+        prefix_table.native_index.cache_clear()
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # killed with its parent (or a zombie)

@@ -7,7 +7,8 @@ this one ~4 us, and at most 80 bytes a cached block where the dict index takes 1
 A CPython extension module (``prefix_table_c.SOURCE``, plain C, the CPython API only), compiled on first use with
 the system's C compiler (``$CC`` or ``cc``, as our kernels are: ``zserve.generator.c_build``, whose compile step
 imports nothing heavy) against this Python's headers, and cached under the zserve cache folder by the hash of
-the source, the flags and the Python build. Without a compiler or the headers, or if the build fails,
+the source, the flags and the Python build, and checked against its seal (size, sha256) before it is loaded (a
+damaged file is built again). Without a compiler or the headers, or if the build fails or passes 20 s,
 ``native_index`` warns once and returns None, and the broker keeps the dict index (``PrefixIndex``).
 """
 
@@ -28,7 +29,7 @@ from types import ModuleType
 
 from zserve.batching.prefix_index import MIN_ENTRIES
 from zserve.batching.prefix_table_c import SOURCE
-from zserve.generator.c_build import _compile, compiler
+from zserve.generator.c_build import cached, compiler
 from zserve.gguf_cache import zserve_cache
 
 log = logging.getLogger("zserve.broker")
@@ -36,6 +37,9 @@ log = logging.getLogger("zserve.broker")
 NAME = "_zserve_prefix_table"  # the module's name, as its PyInit_ function says
 FLAGS = ["-O2", "-shared", "-fPIC"]  # no -march: the broker's index gains nothing from vectors
 MAX_ENGINES = 64  # a mask is one uint64
+# A build takes 0.4-0.9 s: a compiler that hangs must not hold the broker's start-up past its liveness probe
+# (Kubernetes would restart it, to hang again); the dict index serves instead.
+BUILD_TIMEOUT_S = 20.0
 
 
 def _target(cc: str, flags: list[str]) -> Path:
@@ -68,10 +72,7 @@ def module() -> ModuleType | None:
     flags = [*FLAGS, f"-I{include}", *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
     target = _target(cc, flags)
     try:
-        if not target.exists():
-            _compile(cc, NAME, SOURCE, flags, target)
-            log.info("compiled the routing index into %s", target)
-        return _load(target)
+        return cached(cc, NAME, SOURCE, flags, target, _load, BUILD_TIMEOUT_S)
     except (OSError, ImportError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build the routing index (%s): it runs in Python (slower)", detail)

@@ -12,20 +12,25 @@ the whole engine then runs as it would there, which is how the AVX2 figures are 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from zserve.gguf_cache import zserve_cache
 
 log = logging.getLogger("zserve.engine")
+T = TypeVar("T")
 
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 
@@ -110,17 +115,74 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {model} {flags}"
 
 
-def _compile(compiler: str, name: str, source: str, flags: list[str], target: Path) -> None:
+def _compile(compiler: str, name: str, source: str, flags: list[str], target: Path, timeout_s: float = 120.0) -> None:
+    """Build ``target`` from ``source``: into a temporary name beside it, flushed to disk, then moved in place
+    (atomic: processes starting together each build, the last one wins), then its seal (size and sha256) beside
+    it, which ``cached`` checks before loading: a file cut short (a crash after the build, a bad copy) is never
+    mapped (dlopen of a truncated file dies of SIGBUS)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         path = Path(tmp) / f"{name}.c"
         path.write_text(source)
         built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, "-o", str(built), str(path), "-lm"], check=True, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
-        os.replace(built, target)  # atomic: engines starting together each build, the last one wins
+        _run([compiler, *flags, "-o", str(built), str(path), "-lm"], timeout_s)
+        with open(built, "rb") as f:
+            data = f.read()
+            os.fsync(f.fileno())
+        os.replace(built, target)
+        seal = Path(tmp) / "seal"
+        seal.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+        os.replace(seal, _seal_of(target))
+
+
+def _run(command: list[str], timeout_s: float) -> None:
+    """``subprocess.run(check=True)``, whose timeout kills the compiler's whole process group: killing only the
+    driver would leave its cc1 or as running."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as p:  # fmt: skip
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, command, out, err)
+
+
+def _seal_of(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is what its build wrote: its size and sha256 as its seal says."""
+    try:
+        size, digest = _seal_of(target).read_text().split()
+        data = target.read_bytes()
+    except (OSError, ValueError):
+        return False
+    return len(data) == int(size) and hashlib.sha256(data).hexdigest() == digest
+
+
+def cached(
+    compiler: str, name: str, source: str, flags: list[str], target: Path, load: Callable[[Path], T],
+    timeout_s: float = 120.0,
+) -> T:  # fmt: skip
+    """``load(target)``, built first where it is missing or damaged (no seal, or one it does not match), and
+    built again once where it does not load. Raises what the build or the load raises."""
+    built = not _intact(target)
+    if built:
+        _compile(compiler, name, source, flags, target, timeout_s)
+        log.info("compiled %s into %s", name, target)
+    try:
+        return load(target)
+    except (OSError, ImportError) as e:
+        if built:
+            raise
+        log.warning("the cached %s (%s) would not load (%s): building it again", name, target, e)
+        _compile(compiler, name, source, flags, target, timeout_s)
+        return load(target)
 
 
 def compiler() -> str:
@@ -141,10 +203,7 @@ def build(name: str, source: str, flags: list[str], what: str) -> ctypes.CDLL | 
     key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     target = zserve_cache() / "kernels" / f"{name}-{key}.so"
     try:
-        if not target.exists():
-            _compile(cc, name, source, flags, target)
-            log.info("compiled %s's kernel into %s", what, target)
-        return ctypes.CDLL(str(target))
+        return cached(cc, name, source, flags, target, lambda path: ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build %s's kernel (%s): it runs on torch (slower)", what, detail)
