@@ -261,3 +261,28 @@ def test_a_compiler_that_hangs_is_given_up_on_and_the_dict_index_serves(monkeypa
         prefix_table.native_index.cache_clear()
     stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
     assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # killed with its parent (or a zombie)
+
+
+def _unmix(y: int) -> int:
+    """The inverse of MurmurHash3's 64-bit finaliser (what keys the C table's home slots)."""
+    m = 2**64 - 1
+    y ^= y >> 33
+    y = (y * pow(0xC4CEB9FE1A85EC53, -1, 2**64)) & m
+    y ^= y >> 33
+    y = (y * pow(0xFF51AFD7ED558CCD, -1, 2**64)) & m
+    return y ^ (y >> 33)
+
+
+def test_crafted_block_hashes_do_not_pile_up_in_one_probe_run():
+    # block hashes are public: a client can grind prompts whose blocks share a home slot; 4,000 such entries made
+    # one run of 4,000 slots that every lookup landing in it scanned. Keyed by a random seed, they spread.
+    rng = random.Random(11)
+    golden = [(pow(0x9E3779B97F4A7C15, -1, 2**64) * ((0xABC << 52) | rng.getrandbits(52))) % 2**64 for _ in range(4000)]
+    seeded0 = [_unmix((0xABC << 52) | rng.getrandbits(52)) for _ in range(4000)]  # a cluster if the seed is 0
+    for crafted in (golden, seeded0):
+        c = CIndex()
+        c.reset(b"a", crafted, 2 * len(crafted))
+        assert len(c) == len(crafted) and c.longest_run() < 200
+    c = CIndex(seed=0)
+    c.reset(b"a", seeded0, 2 * len(seeded0))
+    assert c.longest_run() >= len(seeded0)  # the seed is what keys the homes

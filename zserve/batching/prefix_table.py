@@ -19,6 +19,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import secrets
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,10 @@ def native_index() -> type | None:
         65th engine (the router then moves to the dict index)."""
 
         __slots__ = ()
+
+        def __new__(cls, seed: int | None = None) -> CPrefixIndex:
+            """``seed``: what keys the table's home slots, random unless given (tests); see ``prefix_table_c``."""
+            return super().__new__(cls, secrets.randbits(64) if seed is None else seed)
 
         def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
             self._reset(engine, hashes, min(max(kv_blocks, MIN_ENTRIES), sys.maxsize))  # a Py_ssize_t
