@@ -6,6 +6,7 @@ dict index when no C compiler is found."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import subprocess
@@ -286,3 +287,44 @@ def test_crafted_block_hashes_do_not_pile_up_in_one_probe_run():
     c = CIndex(seed=0)
     c.reset(b"a", seeded0, 2 * len(seeded0))
     assert c.longest_run() >= len(seeded0)  # the seed is what keys the homes
+
+
+class _Hooked:
+    """A worker whose free_credits runs Python code (``hook``), as a property may: route must hold what it reads."""
+
+    def __init__(self, worker_id: bytes, hook=None) -> None:
+        self.worker_id, self.in_flight, self.hook = worker_id, {}, hook
+
+    @property
+    def free_credits(self) -> int:
+        if self.hook is not None:
+            self.hook()
+        return 1
+
+
+def test_route_holds_what_it_reads_across_the_python_code_it_runs():
+    # a worker's property dropped its engine from the index and the pool, and changed the hashes' list: route
+    # read the freed engine and the list's old item array (a segfault), where it must read what is there now
+    c = CIndex()
+    engine = b"".join([b"engine-", b"12345"])  # an object only this test, the index and the pool hold
+    c.reset(engine, [11, 12, 13], 0)
+    hashes = [11, 12, 13]
+    least = _Hooked(b"least")
+
+    def hook() -> None:
+        nonlocal engine
+        c.drop(engine)
+        c.reset(b"other", [11, 12, 13], 0)
+        workers.pop(engine)
+        del engine
+        gc.collect()
+        hashes[:] = [11, 12] + [random.getrandbits(64) for _ in range(5000)]  # a new item array
+        for _ in range(1000):
+            bytes(20)
+
+    workers = {engine: _Hooked(engine, hook), b"least": least}
+    decision = c.route(hashes, least, workers, 10.0, 10)
+    assert decision == (b"least", "least_loaded", 0)  # the candidate is gone, its slot another engine's
+    assert c.route(hashes, least, {b"least": least, b"other": _Hooked(b"other")}, 10.0, 10) == (b"other", "match", 2)
+    with pytest.raises(TypeError, match="must be an int"):
+        c.longest([11, "12"], 1)

@@ -113,7 +113,10 @@ static inline int clear(Index *s, uint64_t h, uint64_t bit) {
     return 1;
 }
 
+/* A hash: an int (modulo 2**64). Nothing else is taken: another type's __index__ would run Python code, which may
+   change the sequence whose items a caller is reading. */
 static inline int key_of(PyObject *o, uint64_t *h) {
+    if (!PyLong_Check(o)) { PyErr_SetString(PyExc_TypeError, "a block hash must be an int"); return -1; }
     *h = PyLong_AsUnsignedLongLongMask(o);
     return (*h == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
 }
@@ -326,20 +329,23 @@ static PyObject *decision(PyObject *engine, PyObject *reason, Py_ssize_t matched
 
 /* route(hashes, least, workers, spill_ratio, spill_slack): PrefixRouter.route for a prompt whose first block
    no engine is computing (nothing in flight under it): the candidates are ``least`` and the engines with credit
-   holding the first block, scored by the one joint search; the same decision as PrefixRouter._choose. */
+   holding the first block, scored by the one joint search; the same decision as PrefixRouter._choose.
+   A worker's load is read through Python (free_credits is a property), which may change anything meanwhile:
+   the engines and workers read are held, the table and the hashes' items are read again after. */
 static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (n != 5) { PyErr_SetString(PyExc_TypeError, "route(hashes, least, workers, ratio, slack)"); return NULL; }
     PyObject *workers = a[2], *result = NULL, *least_id = NULL, *seq = NULL;
+    PyObject *engine[SLOTS];  /* the candidates after the least loaded, held */
+    int k = 0;
     if (!PyDict_Check(workers)) { PyErr_SetString(PyExc_TypeError, "route: workers must be a dict"); return NULL; }
     double ratio = PyFloat_AsDouble(a[3]), slack = PyFloat_AsDouble(a[4]);
     if (PyErr_Occurred()) return NULL;
     if (!(least_id = PyObject_GetAttr(a[1], s_worker_id))) return NULL;
     if (!(seq = PySequence_Fast(a[0], "hashes: a sequence"))) goto done;
-    PyObject *const *hs = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq), held, matched;
     uint64_t h, mask, at;
-    if (!len) { result = decision(least_id, s_least, 0); goto done; }
-    if (key_of(hs[0], &h)) goto done;
+    Py_ssize_t held, matched;
+    if (!PySequence_Fast_GET_SIZE(seq)) { result = decision(least_id, s_least, 0); goto done; }
+    if (key_of(PySequence_Fast_GET_ITEM(seq, 0), &h)) goto done;
     if (!(mask = get(s, h))) { result = decision(least_id, s_least, 0); goto done; }
     long free;
     Py_ssize_t least_running, running;
@@ -350,21 +356,34 @@ static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (least_running < 0) goto done;
     int least_slot = slot_of(s, least_id);
     if (least_slot == -2) goto done;
-    uint64_t least_bit = least_slot >= 0 ? 1ULL << least_slot : 0;
     /* the candidates after the least loaded: the first block's holders with credit, by slot */
-    PyObject *engine[SLOTS];
     Py_ssize_t load[SLOTS];
-    uint64_t bits[SLOTS], scored = least_bit;
-    int k = 0;
-    for (uint64_t rest = mask & ~least_bit; rest; rest &= rest - 1) {
+    uint64_t bits[SLOTS];
+    for (uint64_t rest = mask & ~(least_slot >= 0 ? 1ULL << least_slot : 0); rest; rest &= rest - 1) {
         int slot = __builtin_ctzll(rest);
-        PyObject *e = s->held[slot].engine, *w = PyDict_GetItemWithError(workers, e);
-        if (!w) { if (PyErr_Occurred()) goto done; continue; }
-        if (load_of(w, &free, &running)) goto done;
-        if (free <= 0) continue;
+        PyObject *e = s->held[slot].engine, *w;
+        if (!e) continue;  /* gone meanwhile (Python code ran) */
+        Py_INCREF(e);
+        if (!(w = PyDict_GetItemWithError(workers, e))) {
+            Py_DECREF(e);
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        Py_INCREF(w);
+        int failed = load_of(w, &free, &running);
+        Py_DECREF(w);
+        if (failed || free <= 0) { Py_DECREF(e); if (failed) goto done; continue; }
         engine[k] = e; load[k] = running; bits[k] = 1ULL << slot; k++;
-        scored |= 1ULL << slot;
     }
+    /* read again, after the Python code above: the slots and the sequence's items as they are now */
+    if ((least_slot = slot_of(s, least_id)) == -2) goto done;
+    uint64_t least_bit = least_slot >= 0 ? 1ULL << least_slot : 0, scored = least_bit;
+    for (int i = 0; i < k; i++) {
+        if (s->held[__builtin_ctzll(bits[i])].engine != engine[i]) bits[i] = 0;  /* its slot changed hands */
+        scored |= bits[i];
+    }
+    PyObject *const *hs = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     if (search(s, hs, len, scored, &held, &at)) goto done;
     if (!held) { result = decision(least_id, s_least, 0); goto done; }
     int best = -1;  /* -1: the least loaded; the first candidate of the fewest running sequences among the best */
@@ -382,6 +401,7 @@ static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     }
     result = decision(engine[best], s_match, held);
 done:
+    for (int i = 0; i < k; i++) Py_DECREF(engine[i]);
     Py_XDECREF(seq); Py_DECREF(least_id);
     return result;
 }
