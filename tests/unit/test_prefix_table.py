@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from zserve.batching import prefix_table
-from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
+from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex, bound
 from zserve.batching.routing import PrefixRouter
 from zserve.batching.workers import InFlightBatch, Worker
 
@@ -328,3 +328,22 @@ def test_route_holds_what_it_reads_across_the_python_code_it_runs():
     assert c.route(hashes, least, {b"least": least, b"other": _Hooked(b"other")}, 10.0, 10) == (b"other", "match", 2)
     with pytest.raises(TypeError, match="must be an int"):
         c.longest([11, "12"], 1)
+
+
+@pytest.mark.parametrize("kv_blocks", [2**62, sys.maxsize, 2**64 - 1])
+def test_an_engine_reporting_a_huge_pool_is_bounded_alike_in_both_indexes(kv_blocks):
+    # a Hello's kv_blocks past 2**62 overflowed 2 * limit in C: its log was compacted on every step message
+    # (quadratic) and the C and dict indexes kept different bounds and logs
+    rng = random.Random(kv_blocks)
+    c, py = CIndex(), PrefixIndex()
+    for index in (c, py):
+        index.reset(b"e", [], kv_blocks)
+    stored: list[int] = []
+    for _ in range(300):
+        new = [rng.getrandbits(64) for _ in range(4)]
+        evicted = rng.sample(stored, min(2, len(stored)))
+        stored += new
+        for index in (c, py):
+            index.update(b"e", new, evicted)
+    assert c.export()[0][1] == py.export()[0][1] == bound(kv_blocks)
+    assert c.log_size(b"e") == py.log_size(b"e") == len(stored) and len(c) == len(py)

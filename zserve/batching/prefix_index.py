@@ -2,7 +2,7 @@
 ``zserve.batching.prefix_table``'s (the same contents and answers, in C) where this machine can build it; this one
 where it cannot, above 64 engines, and in the tests that check the two agree. Pure: no sockets, no clock.
 
-Bounded: an engine holds at most ``max(kv_blocks, MIN_ENTRIES)`` entries here (its KV pool cannot cache more;
+Bounded: an engine holds at most ``bound(kv_blocks)`` entries here (its KV pool cannot cache more;
 past it, after lost deltas, its oldest entries go), and a lost engine's entries go at once (``drop``).
 """
 
@@ -11,6 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 MIN_ENTRIES = 1024  # an engine's entries kept at least (its Hello may not say its pool's size)
+# and at most, whatever its Hello says (no KV pool is near it): the C index's log sizes (twice it) fit an int64
+MAX_ENTRIES = 2**48
+
+
+def bound(kv_blocks: int) -> int:
+    """The entries an engine reporting a pool of ``kv_blocks`` blocks may hold here (both indexes')."""
+    return min(max(kv_blocks, MIN_ENTRIES), MAX_ENTRIES)
 
 
 class _Held:
@@ -54,7 +61,7 @@ class PrefixIndex:
             self._engines.append(engine)
         else:
             self._engines[slot] = engine
-        self._held[engine] = _Held(slot, max(kv_blocks, MIN_ENTRIES))
+        self._held[engine] = _Held(slot, bound(kv_blocks))
         self.update(engine, hashes, ())
 
     def update(self, engine: bytes, stored: Iterable[int], evicted: Iterable[int]) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from zserve.batching.prefix_index import MIN_ENTRIES
+from zserve.batching.prefix_index import bound
 from zserve.batching.prefix_table_c import SOURCE
 from zserve.generator.c_build import cached, compiler
 from zserve.gguf_cache import zserve_cache
@@ -99,7 +99,7 @@ def native_index() -> type | None:
             return super().__new__(cls, secrets.randbits(64) if seed is None else seed)
 
         def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
-            self._reset(engine, hashes, min(max(kv_blocks, MIN_ENTRIES), sys.maxsize))  # a Py_ssize_t
+            self._reset(engine, hashes, bound(kv_blocks))
 
         def holders(self, h: int) -> list[bytes]:
             return self.engines_in(self.mask(h))

@@ -129,7 +129,9 @@ static int slot_of(Index *s, PyObject *engine) {  /* -1: not indexed (no error s
 
 static int log_append(held_t *e, uint64_t h) {
     if (e->len == e->cap) {
-        Py_ssize_t cap = e->cap ? e->cap * 2 : 64, most = 2 * e->limit + 64;
+        /* 2 * limit + 64, saturated (the wrapper bounds limit far below; _reset may be called with any) */
+        Py_ssize_t cap = e->cap ? e->cap * 2 : 64;
+        Py_ssize_t most = e->limit > (PY_SSIZE_T_MAX - 64) / 2 ? PY_SSIZE_T_MAX : 2 * e->limit + 64;
         if (cap > most) cap = most > e->len ? most : e->len + 64;  /* no more than compaction lets it hold */
         uint64_t *log = PyMem_RawRealloc(e->log, cap * sizeof(uint64_t));
         if (!log) { PyErr_NoMemory(); return -1; }
@@ -194,7 +196,7 @@ static int apply(Index *s, int slot, PyObject *stored, PyObject *evicted) {
     }
     Py_DECREF(ev); Py_DECREF(st);
     if (e->count > e->limit) trim(s, e, bit, e->count - e->limit);
-    else if (e->len > 2 * e->limit) compact(s, e, bit);
+    else if (e->len - e->limit > e->limit) compact(s, e, bit);  /* len > 2 limit, without overflow */
     return 0;
 fail:
     Py_DECREF(ev); Py_XDECREF(st);
@@ -225,6 +227,7 @@ static PyObject *I_reset(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (n != 3) { PyErr_SetString(PyExc_TypeError, "_reset(engine, hashes, limit)"); return NULL; }
     Py_ssize_t limit = PyLong_AsSsize_t(a[2]);
     if (limit == -1 && PyErr_Occurred()) return NULL;
+    if (limit < 0) { PyErr_SetString(PyExc_ValueError, "_reset: a negative limit"); return NULL; }
     PyObject *r = I_drop(s, a[0]);
     if (!r) return NULL;
     Py_DECREF(r);

@@ -3,7 +3,7 @@ engine's prefix cache already holds, weighed against load. Pure: no sockets, no 
 
 The index is exact: engines report the block hashes (``zserve.batching.prefix_hash``) their prefix cache
 stores and evicts, as deltas on their step messages and as a full snapshot in their Hello (so a restarted
-broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``max(kv_blocks, MIN_ENTRIES)``
+broker rebuilds it from the Hellos). It is bounded: an engine holds at most ``prefix_index.bound(kv_blocks)``
 entries here (its KV pool cannot cache more; past it, after lost deltas, its oldest entries go), and a lost
 engine's entries go at once (``drop``). It is ``zserve.batching.prefix_table``'s, in C, where the broker's machine
 can build it (64 engines at most; a 65th moves the router to the dict index, ``prefix_index.PrefixIndex``,
