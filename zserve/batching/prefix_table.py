@@ -19,6 +19,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import secrets
 import shutil
 import subprocess
@@ -56,6 +57,14 @@ def _load(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def buildable() -> bool:
+    """Whether this machine has what the build needs (a C compiler and this Python's headers): where it does, a
+    build that fails is a defect (the tests fail on it, not skip), and ``ZSERVE_REQUIRE_C_INDEX=1`` says so too."""
+    return os.environ.get("ZSERVE_REQUIRE_C_INDEX") == "1" or (
+        shutil.which(compiler()) is not None and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
+    )
 
 
 @functools.cache
