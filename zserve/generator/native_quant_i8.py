@@ -29,7 +29,7 @@ Scales and minimums as ``native_quant``'s ([N/VW][K/32][VW], fp16 where exact): 
 The same layout runs fp32 activations too, from ``PackedI8.many`` rows on: the weights converted in registers
 (QTILE, a few rows) or a group of panels dequantised once into fp32 tiles (many rows), each weight the
 dequantised one, as ``native_quant``'s kernel computes. On AVX2 two terms of ``vpmaddubsw`` + ``vpmaddwd`` cost
-more than FMAs from ~3 rows (8-bit weights) or ~16-24 (4-bit), while they win at 1 row by 1.7-2.2x; one layout
+more than FMAs from ~3 rows (8-bit weights) or ~16-24 (4-bit), while they win at 1 row by 1.7-2.1x; one layout
 kept (not two), the row count of a call picks the path.
 
 Which kernel runs a layer, and from how many rows its calls keep fp32 activations, is measured when the layer is
@@ -75,7 +75,7 @@ DUAL_MAX = {"avx512": 6, "avx2": 2, "portable": 2}
 # (8-bit formats, u4m): from this many rows on, a call at fp32 activations (PackedI8.many) dequantises a group of
 # panels once and runs fp32 tiles; below, it converts the weights in registers (QTILE). AVX2, 1 thread, SmolLM2's
 # shapes from memory: 8-bit dequantised 0.69x / 0.84x / 0.96x / 1.04x / 1.12x the fp32 kernel's speed at 4 / 8 /
-# 16 / 32 / 64 rows, in registers 0.95x / 0.98x / 0.87x (12 rows) / 0.90x; u4m as native_quant's own rule (MANY_ROWS)
+# 16 / 32 / 64 rows, in registers 0.94x / 0.97x at 4 / 8 rows; u4m as native_quant's own rule (MANY_ROWS)
 MANY_ROWS = {isa: (12, native_quant.MANY_ROWS[isa]) for isa in ("avx512", "avx2", "portable")}
 # the in-register tiles' schedules (rows a block takes at most, panels for each), as SCHEDULES: up to 4 rows, fewer
 # tiles than native_quant's 6-8 (they run 3-11 rows on AVX2 only, where the split is below 12): the library
