@@ -6,14 +6,20 @@ finishing each at once. Per request: admit (Submits), route and dispatch (tick),
 StepOutput with its cache deltas (its prompt's last 4 blocks stored; each engine is full, so it reports its 4
 least recently used evicted, as an engine's block manager does: never its shared prefix, which the requests
 that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack just before, as the
-broker's shell hands them over. Reported: broker CPU per request (thread time of the core's calls alone,
-median) with ``routing = "cache_aware"`` on the C index (``zserve.batching.prefix_table``, what the broker runs
-where it can build it), on the dict index (``prefix_index.PrefixIndex``, where it cannot), and with
-``"least_loaded"`` (best of ``--repeat``, the three interleaved in this one process), the differences, split
-into their two phases (admitting, routing and dispatching a request; the engine's step message with its
+broker's shell hands them over. ``--in-flight K`` keeps K sequences in flight (each finishes once K later ones
+were routed, first in, first out), so requests meet prompts in flight under their first block, as under load;
+with ``--blocks 1024`` (the bound's floor) and the default 20,000 requests every engine's log reaches its
+compaction (reported).
+
+Reported: broker CPU per request (thread time of the core's calls alone, median and mean: the mean counts the
+compactions the median hides) with ``routing = "cache_aware"`` on the C index (``zserve.batching.prefix_table``,
+what the broker runs where it can build it), on the dict index (``prefix_index.PrefixIndex``, where it cannot),
+and with ``"least_loaded"`` (best of ``--repeat``, the three interleaved in this one process), the differences,
+split into their two phases (admitting, routing and dispatching a request; the engine's step message with its
 deltas), and each index's size in entries and bytes (tracemalloc, which counts the C index's memory too).
 
     .venv/bin/python -m bench.generation routing-cost                     # 64 engines
+    .venv/bin/python -m bench.generation routing-cost --in-flight 64 --blocks 1024   # under load, compacting
 """
 
 from __future__ import annotations
@@ -68,9 +74,13 @@ def build(
     return core, prefixes, cached
 
 
-def run(variant: str, args: argparse.Namespace) -> tuple[tuple[float, float, float], int]:
-    """Seconds of broker CPU per request (the median: robust to the preemptions of a shared machine) in all, for
-    the request (admit, route, dispatch) and for the engine's step (its deltas), and the index's entries."""
+def run(variant: str, args: argparse.Namespace) -> tuple[list[float], int, list[tuple[str, int]]]:
+    """Seconds of broker CPU per request, in all, for the request (admit, route, dispatch) and for the engine's
+    step (its deltas), each as (median, mean): the median is robust to the preemptions of a shared machine, the
+    mean counts the rare costly request (an engine's log compaction) the median hides; the index's entries; and
+    the engines whose logs were compacted, with how often.
+    With ``--in-flight K`` each sequence finishes only once K later ones are in flight (first in, first out):
+    a request then meets prompts in flight under its first block, as under load."""
     rng = random.Random(args.seed)
     core, prefixes, held = build(variant, args, rng)
     prompts = []
@@ -84,6 +94,9 @@ def run(variant: str, args: argparse.Namespace) -> tuple[tuple[float, float, flo
     gc.freeze()
     clock = time.thread_time  # CPU time: what the broker spends, not the waits for a core on a shared machine
     spent, routing_s, stepping_s = [], [], []
+    flying: deque[tuple[str, int, list[int]]] = deque()  # (engine, batch, its prompt's hashes), oldest first
+    router = core.routes.routers.get("lm")
+    compacted: dict[str, int] = {}  # engine -> its log's compactions in this run
     for i, encoded in enumerate(prompts):
         # decoded as the broker's shell does, just before the core sees them: what its probes read is in cache
         hashes = msgspec.msgpack.decode(encoded)
@@ -94,31 +107,35 @@ def run(variant: str, args: argparse.Namespace) -> tuple[tuple[float, float, flo
         core.tick(now)
         _, work = core.flush()
         routed = clock() - started
+        for send in work:
+            if hasattr(send.header, "item_ids"):
+                flying.append((send.worker_id.decode(), send.header.batch_id, hashes))
         steps = []
-        for send in work:  # the sequence finishes in one step; its engine stored its prompt's blocks
-            header = send.header
-            if hasattr(header, "item_ids"):
-                engine = send.worker_id.decode()
-                order, members = held[engine]
-                stored = [h for h in hashes[-4:] if h not in members]  # what a real engine's cache reports
-                order.extend(stored)
-                evicted = [order.popleft() for _ in stored]
-                members.update(stored)
-                members.difference_update(evicted)
-                steps.append(StepOutput(engine, [header.batch_id], [""], [1], [True], [Status.OK], [""], [1],
-                             stored_blocks=_decoded(stored), evicted_blocks=_decoded(evicted)))  # fmt: skip
+        while len(flying) > args.in_flight:  # the oldest finish; their engines stored their prompts' blocks
+            engine, batch_id, prompt = flying.popleft()
+            order, members = held[engine]
+            stored = [h for h in prompt[-4:] if h not in members]  # what a real engine's cache reports
+            order.extend(stored)
+            evicted = [order.popleft() for _ in stored]
+            members.update(stored)
+            members.difference_update(evicted)
+            steps.append(StepOutput(engine, [batch_id], [""], [1], [True], [Status.OK], [""], [1],
+                         stored_blocks=_decoded(stored), evicted_blocks=_decoded(evicted)))  # fmt: skip
+        logs = [router.index.log_size(d.worker.encode()) for d in steps] if router else []
         started = clock()
         for done in steps:
             core.on_out(done, [b"{}"], now)
         core.flush()
         stepped = clock() - started
+        for done, before in zip(steps, logs, strict=False):  # the log shrank: compacted (or trimmed) in this step
+            if router is not None and router.index.log_size(done.worker.encode()) < before:
+                compacted[done.worker] = compacted.get(done.worker, 0) + 1
         spent.append(routed + stepped)
         routing_s.append(routed)
         stepping_s.append(stepped)
     gc.unfreeze()
-    medians = statistics.median(spent), statistics.median(routing_s), statistics.median(stepping_s)
-    router = core.routes.routers.get("lm")
-    return medians, len(router.index) if router else 0
+    figures = [f(xs) for xs in (spent, routing_s, stepping_s) for f in (statistics.median, statistics.fmean)]
+    return figures, len(router.index) if router else 0, sorted(compacted.items())
 
 
 def _decoded(hashes: list[int]) -> list[int]:
@@ -168,25 +185,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-flight", type=int, default=0,
+                   help="sequences kept in flight, finished first in, first out (default %(default)s)")  # fmt: skip
     args = p.parse_args(argv)
     variants = list(VARIANTS) if native_index() is not None else ["least_loaded", "cache_aware, dict index"]
     best: dict[str, list[float]] = {}
-    entries = 0
+    compacted: dict[str, list[tuple[str, int]]] = {}
     for _ in range(args.repeat):
         for variant in variants:
-            medians, n = run(variant, args)
-            best[variant] = [min(a, b) for a, b in zip(best.get(variant, medians), medians, strict=True)]
-            entries = n or entries
+            figures, _, compacted[variant] = run(variant, args)
+            best[variant] = [min(a, b) for a, b in zip(best.get(variant, figures), figures, strict=True)]
     plain = best["least_loaded"]
     print(f"{args.engines} engines x {args.blocks} blocks held, {args.prompt_blocks} prompt blocks per request, "
-          f"best of {args.repeat} x {args.requests} requests; broker CPU per request (median):")  # fmt: skip
-    print(f"  least_loaded {plain[0] * 1e6:.1f} us (the request {plain[1] * 1e6:.1f}, the step {plain[2] * 1e6:.1f})")
+          f"{args.in_flight} sequences in flight, best of {args.repeat} x {args.requests} requests; broker CPU per "
+          f"request, median / mean:")  # fmt: skip
+
+    def us(figures: list[float], at: int) -> str:
+        return f"{figures[at] * 1e6:.1f} / {figures[at + 1] * 1e6:.1f}"
+
+    print(f"  least_loaded {us(plain, 0)} us (the request {us(plain, 2)}, the step {us(plain, 4)})")
     for variant in variants[1:]:
         routed = best[variant]
         adds = [(r - p) * 1e6 for r, p in zip(routed, plain, strict=True)]
-        print(f"  {variant} {routed[0] * 1e6:.1f} us: +{adds[0]:.1f} us for routing (the request +{adds[1]:.1f} us, "
-              f"{plain[1] * 1e6:.1f} -> {routed[1] * 1e6:.1f}; the step's deltas +{adds[2]:.1f} us, "
-              f"{plain[2] * 1e6:.1f} -> {routed[2] * 1e6:.1f})")  # fmt: skip
+        print(f"  {variant} {us(routed, 0)} us: +{adds[0]:.1f} / +{adds[1]:.1f} us for routing (the request "
+              f"+{adds[2]:.1f} / +{adds[3]:.1f}; the step's deltas +{adds[4]:.1f} / +{adds[5]:.1f})")  # fmt: skip
+        counts = [n for _, n in compacted[variant]]
+        print(f"    logs compacted in the last run: {len(counts)} of {args.engines} engines"
+              + (f", {min(counts)}-{max(counts)} times each" if counts else ""))  # fmt: skip
     indexes = {"C": native_index(), "dict": PrefixIndex}
     for name, new_index in indexes.items():
         if new_index is None:
