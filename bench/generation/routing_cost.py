@@ -31,6 +31,7 @@ import statistics
 import time
 import tracemalloc
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -74,11 +75,42 @@ def build(
     return core, prefixes, cached
 
 
-def run(variant: str, args: argparse.Namespace) -> tuple[list[float], int, list[tuple[str, int]]]:
+def _timed(fn: Callable[..., object], spent_ns: list[int]) -> Callable[..., object]:
+    """``fn``, adding the nanoseconds each call takes to ``spent_ns[0]`` and counting calls in ``spent_ns[1]``."""
+
+    def timed(*a: object) -> object:
+        started = time.perf_counter_ns()
+        try:
+            return fn(*a)
+        finally:
+            spent_ns[0] += time.perf_counter_ns() - started
+            spent_ns[1] += 1
+
+    return timed
+
+
+def _timer_ns() -> float:
+    """What ``_timed`` counts for a call of nothing (its clock and the extra call): taken off each timed call."""
+    spent = [0, 0]
+    nothing = _timed(lambda *a: None, spent)
+    best = float("inf")
+    for _ in range(5):
+        spent[0] = 0
+        for _ in range(20000):
+            nothing(None, None)
+        best = min(best, spent[0] / 20000)
+    return best
+
+
+def run(
+    variant: str, args: argparse.Namespace, own: list[float] | None = None
+) -> tuple[list[float], int, list[tuple[str, int]]]:
     """Seconds of broker CPU per request, in all, for the request (admit, route, dispatch) and for the engine's
     step (its deltas), each as (median, mean): the median is robust to the preemptions of a shared machine, the
     mean counts the rare costly request (an engine's log compaction) the median hides; the index's entries; and
-    the engines whose logs were compacted, with how often.
+    the engines whose logs were compacted, with how often. ``own``: given, the router's own seconds per request
+    are appended to it (its calls timed one by one: its choice, its deltas, its in-flight prompts' removal), what
+    routing adds whatever the pool's own choice costs (which the load the routing leaves changes).
     With ``--in-flight K`` each sequence finishes only once K later ones are in flight (first in, first out):
     a request then meets prompts in flight under its first block, as under load."""
     rng = random.Random(args.seed)
@@ -86,8 +118,8 @@ def run(variant: str, args: argparse.Namespace) -> tuple[list[float], int, list[
     prompts = []
     for _ in range(args.requests):
         shared = rng.randrange(args.prompt_blocks + 1)
-        own = [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
-        prompts.append(msgspec.msgpack.encode(rng.choice(prefixes)[:shared] + own))
+        fresh = [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
+        prompts.append(msgspec.msgpack.encode(rng.choice(prefixes)[:shared] + fresh))
     # what the run set up (the index, the engines) is old by the time a broker serves: kept out of the young
     # generations, so collections cost what a long-running broker's cost, not a scan of the fresh set-up
     gc.collect()
@@ -97,6 +129,12 @@ def run(variant: str, args: argparse.Namespace) -> tuple[list[float], int, list[
     flying: deque[tuple[str, int, list[int]]] = deque()  # (engine, batch, its prompt's hashes), oldest first
     router = core.routes.routers.get("lm")
     compacted: dict[str, int] = {}  # engine -> its log's compactions in this run
+    own_ns = [0, 0]  # (ns, calls) since the request began
+    timer_ns = _timer_ns() if own is not None else 0.0
+    if own is not None and router is not None:
+        core.scheduler.routes["lm"] = _timed(core.routes.choose, own_ns)  # type: ignore[assignment]
+        core.routes.on_step = _timed(core.routes.on_step, own_ns)  # type: ignore[method-assign]
+        core.pool.on_finished = _timed(core.routes.finished, own_ns)  # type: ignore[assignment]
     for i, encoded in enumerate(prompts):
         # decoded as the broker's shell does, just before the core sees them: what its probes read is in cache
         hashes = msgspec.msgpack.decode(encoded)
@@ -131,6 +169,9 @@ def run(variant: str, args: argparse.Namespace) -> tuple[list[float], int, list[
             if router is not None and router.index.log_size(done.worker.encode()) < before:
                 compacted[done.worker] = compacted.get(done.worker, 0) + 1
         spent.append(routed + stepped)
+        if own is not None:
+            own.append((own_ns[0] - own_ns[1] * timer_ns) * 1e-9)
+            own_ns[0] = own_ns[1] = 0
         routing_s.append(routed)
         stepping_s.append(stepped)
     gc.unfreeze()
@@ -209,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         adds = [(r - p) * 1e6 for r, p in zip(routed, plain, strict=True)]
         print(f"  {variant} {us(routed, 0)} us: +{adds[0]:.1f} / +{adds[1]:.1f} us for routing (the request "
               f"+{adds[2]:.1f} / +{adds[3]:.1f}; the step's deltas +{adds[4]:.1f} / +{adds[5]:.1f})")  # fmt: skip
+        own: list[float] = []
+        run(variant, args, own)
+        print(f"    the router's own calls (one more run, timed one by one, less the timer): "
+              f"{statistics.median(own) * 1e6:.1f} / {statistics.fmean(own) * 1e6:.1f} us a request")  # fmt: skip
         counts = [n for _, n in compacted[variant]]
         print(f"    logs compacted in the last run: {len(counts)} of {args.engines} engines"
               + (f", {min(counts)}-{max(counts)} times each" if counts else ""))  # fmt: skip
