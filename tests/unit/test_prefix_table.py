@@ -358,9 +358,18 @@ def test_route_holds_what_it_reads_across_the_python_code_it_runs():
             bytes(20)
 
     workers = {engine: _Hooked(engine, hook), b"least": least}
-    decision = c.route(hashes, least, workers, 10.0, 10)
+    decision = c.route(hashes, least, workers, 10.0, 10, None, 8)
     assert decision == (b"least", "least_loaded", 0)  # the candidate is gone, its slot another engine's
-    assert c.route(hashes, least, {b"least": least, b"other": _Hooked(b"other")}, 10.0, 10) == (b"other", "match", 2)
+    workers = {b"least": least, b"other": _Hooked(b"other")}
+    assert c.route(hashes, least, workers, 10.0, 10, None, 8) == (b"other", "match", 2)
+    # the prompts in flight, changed as the engines computing them are read: read after, as they are then
+    flying = {b"computing": [[11, 12, 99]], b"other": [[11, 12, 13, 14]]}
+    workers[b"computing"] = _Hooked(b"computing", lambda: flying.pop(b"other", None))
+    hashes = [11, 12, 13, 14]
+    assert c.route(hashes, least, workers, 10.0, 10, flying, 8) == (b"other", "match", 3)  # held, not computed: 4
+    flying[b"other"] = [[11, 12, 13, 14]]
+    workers[b"computing"].hook = lambda: flying[b"other"].clear()
+    assert c.route(hashes, least, workers, 10.0, 10, flying, 8) == (b"other", "match", 3)  # held, not computed: 4
     with pytest.raises(TypeError, match="must be an int"):
         c.longest([11, "12"], 1)
 
@@ -382,3 +391,18 @@ def test_an_engine_reporting_a_huge_pool_is_bounded_alike_in_both_indexes(kv_blo
             index.update(b"e", new, evicted)
     assert c.export()[0][1] == py.export()[0][1] == bound(kv_blocks)
     assert c.log_size(b"e") == py.log_size(b"e") == len(stored) and len(c) == len(py)
+
+
+def test_more_engines_computing_a_prefix_than_route_takes_leave_it_to_the_python_path():
+    c, py = PrefixRouter(), PrefixRouter(native=False)
+    engines = [f"e{i}".encode() for i in range(70)]  # 6 of them without a Hello: computing, holding nothing
+    workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
+    for i, engine in enumerate(engines[:64]):
+        for r in (c, py):
+            r.reset(engine, [7, 100 + i], 0)
+    for i, engine in enumerate(engines):
+        for r in (c, py):
+            r.inflight.add(i, engine, [7, 8, 9][: 1 + i % 3])
+    least = workers[engines[0]]
+    assert c.index.route([7, 8, 9], least, workers, 1.5, 2, c.inflight.at(7), 8) is None
+    assert c.route([7, 8, 9], least, workers) == py.route([7, 8, 9], least, workers) == (b"e2", "match", 3)

@@ -330,18 +330,76 @@ static PyObject *decision(PyObject *engine, PyObject *reason, Py_ssize_t matched
     return Py_BuildValue("(OOn)", engine, reason, matched);
 }
 
-/* route(hashes, least, workers, spill_ratio, spill_slack): PrefixRouter.route for a prompt whose first block
-   no engine is computing (nothing in flight under it): the candidates are ``least`` and the engines with credit
-   holding the first block, scored by the one joint search; the same decision as PrefixRouter._choose.
+#define CANDIDATES (2 * SLOTS)
+
+/* How many leading blocks two chains that share their first block have in common (routing._common). */
+static int common(PyObject *const *a, Py_ssize_t na, PyObject *const *b, Py_ssize_t nb, Py_ssize_t *out) {
+    uint64_t x, y;
+    Py_ssize_t hi = na < nb ? na : nb, lo = 1;
+    *out = 0;
+    if (!hi) return 0;
+    if (key_of(a[hi - 1], &x) || key_of(b[hi - 1], &y)) return -1;
+    if (x == y) { *out = hi; return 0; }
+    while (hi - lo > 1) {  /* a[lo - 1] == b[lo - 1], a[hi - 1] != b[hi - 1] */
+        Py_ssize_t mid = (lo + hi) >> 1;
+        if (key_of(a[mid - 1], &x) || key_of(b[mid - 1], &y)) return -1;
+        if (x == y) lo = mid; else hi = mid;
+    }
+    *out = lo;
+    return 0;
+}
+
+/* The most leading blocks the hashes have in common with one of the last MAX_COMPARED prompts of a list
+   (routing._longest_common); -1 on an error. */
+static Py_ssize_t longest_common(PyObject *const *hs, Py_ssize_t len, PyObject *prompts, Py_ssize_t compared) {
+    Py_ssize_t best = 0, n = PyList_GET_SIZE(prompts), c;
+    for (Py_ssize_t i = n > compared ? n - compared : 0; i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(prompts, i);
+        if (!PyList_Check(p) && !PyTuple_Check(p)) {
+            PyErr_SetString(PyExc_TypeError, "a prompt in flight: a list of hashes");
+            return -1;
+        }
+        if (common(hs, len, PySequence_Fast_ITEMS(p), PySequence_Fast_GET_SIZE(p), &c)) return -1;
+        if (c > best && (best = c) == len) break;
+    }
+    return best;
+}
+
+/* *out: the most leading blocks an engine computes of the hashes (flying[engine]'s prompts), -1 if none. */
+static int computes(PyObject *flying, PyObject *engine, PyObject *const *hs, Py_ssize_t len, Py_ssize_t compared,
+                    Py_ssize_t *out) {
+    *out = -1;
+    PyObject *prompts = flying ? PyDict_GetItemWithError(flying, engine) : NULL;
+    if (!prompts) return PyErr_Occurred() ? -1 : 0;
+    if (!PyList_Check(prompts)) { PyErr_SetString(PyExc_TypeError, "in flight: a list of prompts"); return -1; }
+    if (PyList_GET_SIZE(prompts) && (*out = longest_common(hs, len, prompts, compared)) < 0) return -1;
+    return 0;
+}
+
+/* route(hashes, least, workers, spill_ratio, spill_slack, flying, compared): PrefixRouter.route's decision, the
+   same as PrefixRouter._choose's: the candidates are ``least``, the engines with credit holding the first block
+   (by slot), and those with credit computing it without holding it (``flying``: None, or engine -> the prompts
+   in flight there under the first block, InFlightPrompts.at; in its order); each scores the leading blocks it
+   holds (one joint search) or computes (the last ``compared`` prompts in flight there), whichever is more.
+   None where there are more candidates than it keeps (the caller's Python path decides then).
    A worker's load is read through Python (free_credits is a property), which may change anything meanwhile:
-   the engines and workers read are held, the table and the hashes' items are read again after. */
+   the engines and workers read are held, and the table, the slots, the prompts in flight and the hashes' items
+   are read after all of it. */
 static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
-    if (n != 5) { PyErr_SetString(PyExc_TypeError, "route(hashes, least, workers, ratio, slack)"); return NULL; }
-    PyObject *workers = a[2], *result = NULL, *least_id = NULL, *seq = NULL;
-    PyObject *engine[SLOTS];  /* the candidates after the least loaded, held */
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError, "route(hashes, least, workers, ratio, slack, flying, compared)");
+        return NULL;
+    }
+    PyObject *workers = a[2], *flying = a[5] == Py_None ? NULL : a[5];
+    PyObject *result = NULL, *least_id = NULL, *seq = NULL, *keys = NULL;
+    PyObject *engine[CANDIDATES];  /* the candidates after the least loaded, held */
     int k = 0;
-    if (!PyDict_Check(workers)) { PyErr_SetString(PyExc_TypeError, "route: workers must be a dict"); return NULL; }
+    if (!PyDict_Check(workers) || (flying && !PyDict_Check(flying))) {
+        PyErr_SetString(PyExc_TypeError, "route: workers and flying must be dicts");
+        return NULL;
+    }
     double ratio = PyFloat_AsDouble(a[3]), slack = PyFloat_AsDouble(a[4]);
+    Py_ssize_t compared = PyLong_AsSsize_t(a[6]);
     if (PyErr_Occurred()) return NULL;
     if (!(least_id = PyObject_GetAttr(a[1], s_worker_id))) return NULL;
     if (!(seq = PySequence_Fast(a[0], "hashes: a sequence"))) goto done;
@@ -349,7 +407,8 @@ static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     Py_ssize_t held, matched;
     if (!PySequence_Fast_GET_SIZE(seq)) { result = decision(least_id, s_least, 0); goto done; }
     if (key_of(PySequence_Fast_GET_ITEM(seq, 0), &h)) goto done;
-    if (!(mask = get(s, h))) { result = decision(least_id, s_least, 0); goto done; }
+    if (flying && !PyDict_GET_SIZE(flying)) flying = NULL;
+    if (!(mask = get(s, h)) && !flying) { result = decision(least_id, s_least, 0); goto done; }
     long free;
     Py_ssize_t least_running, running;
     PyObject *o = PyObject_GetAttr(a[1], s_in_flight);
@@ -359,13 +418,31 @@ static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (least_running < 0) goto done;
     int least_slot = slot_of(s, least_id);
     if (least_slot == -2) goto done;
-    /* the candidates after the least loaded: the first block's holders with credit, by slot */
-    Py_ssize_t load[SLOTS];
-    uint64_t bits[SLOTS];
-    for (uint64_t rest = mask & ~(least_slot >= 0 ? 1ULL << least_slot : 0); rest; rest &= rest - 1) {
-        int slot = __builtin_ctzll(rest);
-        PyObject *e = s->held[slot].engine, *w;
-        if (!e) continue;  /* gone meanwhile (Python code ran) */
+    uint64_t least_bit = least_slot >= 0 ? 1ULL << least_slot : 0;
+    Py_ssize_t load[CANDIDATES];
+    uint64_t bits[CANDIDATES];
+    /* the candidates after the least loaded: the first block's holders with credit, by slot, then the engines
+       with credit computing it that do not hold it (their bit scores nothing), in flying's order */
+    if (flying && PyDict_GET_SIZE(flying) > CANDIDATES - SLOTS) { Py_INCREF(Py_None); result = Py_None; goto done; }
+    if (flying && !(keys = PyDict_Keys(flying))) goto done;  /* held: Python code below may change flying */
+    Py_ssize_t holders = -1, nkeys = keys ? PyList_GET_SIZE(keys) : 0;
+    for (uint64_t rest = mask & ~least_bit; holders < nkeys; ) {
+        PyObject *e, *w;
+        int slot = -1;
+        if (rest) {
+            slot = __builtin_ctzll(rest);
+            rest &= rest - 1;
+            if (!(e = s->held[slot].engine)) continue;  /* gone meanwhile (Python code ran) */
+        } else {
+            if (++holders == nkeys) break;
+            e = PyList_GET_ITEM(keys, holders);
+            int r = PyObject_RichCompareBool(e, least_id, Py_EQ);
+            if (r < 0) goto done;
+            if (r) continue;
+            int its = slot_of(s, e);
+            if (its == -2) goto done;
+            if (its >= 0 && (mask >> its & 1)) continue;  /* a holder: scored above, or without credit */
+        }
         Py_INCREF(e);
         if (!(w = PyDict_GetItemWithError(workers, e))) {
             Py_DECREF(e);
@@ -376,36 +453,45 @@ static PyObject *I_route(Index *s, PyObject *const *a, Py_ssize_t n) {
         int failed = load_of(w, &free, &running);
         Py_DECREF(w);
         if (failed || free <= 0) { Py_DECREF(e); if (failed) goto done; continue; }
-        engine[k] = e; load[k] = running; bits[k] = 1ULL << slot; k++;
+        engine[k] = e; load[k] = running; bits[k] = slot >= 0 ? 1ULL << slot : 0; k++;
     }
     /* read again, after the Python code above: the slots and the sequence's items as they are now */
     if ((least_slot = slot_of(s, least_id)) == -2) goto done;
-    uint64_t least_bit = least_slot >= 0 ? 1ULL << least_slot : 0, scored = least_bit;
+    least_bit = least_slot >= 0 ? 1ULL << least_slot : 0;
+    uint64_t scored = least_bit;
     for (int i = 0; i < k; i++) {
-        if (s->held[__builtin_ctzll(bits[i])].engine != engine[i]) bits[i] = 0;  /* its slot changed hands */
+        if (bits[i] && s->held[__builtin_ctzll(bits[i])].engine != engine[i]) bits[i] = 0;  /* changed hands */
         scored |= bits[i];
     }
     PyObject *const *hs = PySequence_Fast_ITEMS(seq);
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     if (search(s, hs, len, scored, &held, &at)) goto done;
-    if (!held) { result = decision(least_id, s_least, 0); goto done; }
-    int best = -1;  /* -1: the least loaded; the first candidate of the fewest running sequences among the best */
-    Py_ssize_t best_running = least_running;
-    if (!(at & least_bit)) {
-        for (int i = 0; i < k; i++) if (bits[i] & at) { best = i; best_running = load[i]; break; }
+    Py_ssize_t longest = held, computing[CANDIDATES], least_computing;  /* -1: computes none of it */
+    if (computes(flying, least_id, hs, len, compared, &least_computing)) goto done;
+    if (least_computing > longest) longest = least_computing;
+    for (int i = 0; i < k; i++) {
+        if (computes(flying, engine[i], hs, len, compared, &computing[i])) goto done;
+        if (computing[i] > longest) longest = computing[i];
     }
-    for (int i = best + 1; i < k; i++)
-        if ((bits[i] & at) && load[i] < best_running) { best = i; best_running = load[i]; }
-    if (best < 0) { result = decision(least_id, s_match, held); goto done; }
+    if (!longest) { result = decision(least_id, s_least, 0); goto done; }
+    if (held < longest) at = 0;
+    /* the most blocks; among those, the fewest running sequences (the first such; -1: the least loaded) */
+    int best = -1, found = (at & least_bit) || least_computing == longest;
+    Py_ssize_t best_running = least_running;
+    for (int i = 0; i < k; i++) {
+        if (!((bits[i] & at) || computing[i] == longest)) continue;
+        if (!found || load[i] < best_running) { best = i; best_running = load[i]; found = 1; }
+    }
+    if (best < 0) { result = decision(least_id, s_match, longest); goto done; }
     if ((double)best_running > ratio * (double)least_running + slack) {
         if (search(s, hs, len, least_bit, &matched, &at)) goto done;
-        result = decision(least_id, s_spill, matched);
+        result = decision(least_id, s_spill, matched > least_computing ? matched : least_computing);  /* -1 < 0 */
         goto done;
     }
-    result = decision(engine[best], s_match, held);
+    result = decision(engine[best], s_match, longest);
 done:
     for (int i = 0; i < k; i++) Py_DECREF(engine[i]);
-    Py_XDECREF(seq); Py_DECREF(least_id);
+    Py_XDECREF(keys); Py_XDECREF(seq); Py_DECREF(least_id);
     return result;
 }
 
@@ -515,7 +601,7 @@ static PyMethodDef I_methods[] = {
     {"mask", (PyCFunction)I_mask, METH_O, "The mask of the engines holding block h."},
     {"engines_in", (PyCFunction)I_engines_in, METH_O, "The engines whose bits are set in mask, by slot."},
     {"longest", FAST(I_longest), "The most leading blocks one engine of mask holds, and the mask of those."},
-    {"route", FAST(I_route), "route(hashes, least, workers, spill_ratio, spill_slack)"},
+    {"route", FAST(I_route), "route(hashes, least, workers, spill_ratio, spill_slack, flying, compared)"},
     {"export", (PyCFunction)I_export, METH_NOARGS, "Per slot: None or (engine, limit, hashes held)."},
     {"log_size", (PyCFunction)I_log_size, METH_O, "The length of the engine's log."},
     {"table_bytes", (PyCFunction)I_table_bytes, METH_NOARGS, "The table's bytes."},

@@ -22,7 +22,7 @@ router do the same in their own units):
   * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
 The cost: one probe of the index for a prompt whose first block no engine holds or computes; else one binary
 search over the prompt's blocks for all the engines holding its first block at once (``PrefixIndex.longest``);
-with the C index, all of it is one call (``route``) unless prompts in flight start as this one does.
+with the C index, all of it is one call (``route``), the prompts in flight under its first block included.
 Nothing at all for a model with one engine. Measured with ``python -m bench.generation routing-cost``.
 """
 
@@ -211,11 +211,15 @@ class PrefixRouter:
         if not hashes:
             return least.worker_id, LEAST_LOADED, 0
         first = hashes[0]
-        index = self.index
         flying = self.inflight._first.get(first)
+        if self._route_c is not None:  # all of it in one C call (None: more engines computing it than it takes)
+            decision = self._route_c(
+                hashes, least, workers, self.spill_ratio, self.spill_slack, flying, InFlightPrompts.MAX_COMPARED
+            )
+            if decision is not None:
+                return decision
+        index = self.index
         if not flying:
-            if self._route_c is not None:  # nothing in flight to compare: all of it in one C call
-                return self._route_c(hashes, least, workers, self.spill_ratio, self.spill_slack)
             mask = index._holders.get(first, 0)
             if not mask:  # held and computed nowhere: one probe is all a new prompt costs
                 return least.worker_id, LEAST_LOADED, 0
