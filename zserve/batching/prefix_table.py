@@ -1,8 +1,8 @@
 """The index of the engines' prefix caches in C: ``PrefixIndex``'s contents and answers for at most 64 engines,
-with a request's choice of engine (``route``) and a step's deltas (``update``) one call each. With 64 engines
-and 131k entries routing on the dict index adds ~9-11 us of broker CPU a request, ~15 dict operations of it; on
-this one ~4 us, and at most 80 bytes a cached block where the dict index takes 168
-(bench/results/35-broker-cost.md).
+with a request's choice of engine (``route``, the prompts in flight under its first block included) and a
+step's deltas (``update``) one call each. With 64 engines the router's calls cost ~4.5 us of broker CPU a request
+on this index with nothing in flight and ~6 us with 64 sequences in flight (the dict index's: ~11 and ~16), and
+this index takes at most 80 bytes a cached block where the dict index takes 168 (bench/results/35-broker-cost.md).
 
 A CPython extension module (``prefix_table_c.SOURCE``, plain C, the CPython API only), compiled on first use with
 the system's C compiler (``$CC`` or ``cc``, as our kernels are: ``zserve.generator.c_build``, whose compile step
