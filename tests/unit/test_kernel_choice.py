@@ -97,6 +97,18 @@ def test_the_int8_layout_runs_fp32_activations_from_the_buckets_int8_lost_at_the
     assert kc.split_rows({1: {int8: 1.0}}) == never  # not timed: never
 
 
+def test_the_split_is_not_put_below_the_rows_of_a_path_no_timing_measured():
+    int8, split = kc.INT8, kc.INT8_LAYOUT_FP32
+    # fp32 won from 8 rows on, timed there on the path of 6 rows and more (4-bit on AVX2): from 6, not from 3
+    t = {1: {int8: 1.0, split: 2.0}, 8: {int8: 3.0, split: 2.5}, 32: {int8: 6.0, split: 5.0},
+         128: {int8: 30, split: 20}}  # fmt: skip
+    assert kc.split_rows(t) == 3 and kc.split_rows(t, 6) == 6 and kc.split_rows(t, 8) == 8
+    assert kc.split_rows(t, 12) == 3  # 8 rows timed below 12: on the path that 3-7 rows run (8-bit weights)
+    assert kc.split_rows(t | {8: {int8: 2.0, split: 2.5}}, 6) == 17  # above it already
+    assert kc.split_rows(t | {1: {int8: 3.0, split: 2.0}}, 6) == 1  # 1 row won too, timed on the path below 6
+    assert kc.split_rows(t | {128: {int8: 20, split: 20}}, 6) == kc.NEVER
+
+
 def test_the_int8_layout_is_kept_where_its_split_makes_it_faster_over_the_row_counts():
     fp32, int8, split = kc.FP32, kc.INT8, kc.INT8_LAYOUT_FP32
     # int8 alone loses (geometric mean of 0.5, 1.0, 2.0, 2.0 = 1.19); run fp32 activations at 32 and 128, it wins

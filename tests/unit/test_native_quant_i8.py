@@ -203,6 +203,8 @@ def test_unforced_the_kernel_is_chosen_by_measurement(monkeypatch, caplog):
     # the same shape and form: measured once a process, the row count of its split with it
     assert (layer.activations, layer.many_rows) == kernel_tune.quant_choice(64, 96, 4, True, True, isa)
     assert layer.many_rows == kernel_choice.NEVER or (chosen == kernel_choice.INT8 and layer.packed.many >= 1)
+    # 4-bit: 8 rows are timed on the path of i8.MANY_ROWS rows and more, so no split between 1 and it
+    assert layer.many_rows == 1 or layer.many_rows >= i8.MANY_ROWS[isa][1]
     assert not isinstance(layer.packed, i8.PackedI8) or layer.packed.many == layer.many_rows
     if layer.many_rows != kernel_choice.NEVER:
         assert f"fp32 from {layer.many_rows} rows" in repr(layer)

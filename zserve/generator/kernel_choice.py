@@ -37,11 +37,14 @@ def _ok(t: float | None) -> bool:
     return t is not None and math.isfinite(t)
 
 
-def split_rows(timings: Mapping[int, Mapping[str, float | None]]) -> int:
+def split_rows(timings: Mapping[int, Mapping[str, float | None]], many: int = 1) -> int:
     """For one quantised layer shape, {rows: {INT8 / INT8_LAYOUT_FP32: seconds}} -> the row count from which a
     call on the int8 layout keeps its activations fp32: the first of the largest buckets that fp32 activations
     won each by ``MARGIN``, from past the geometric mean of it and the bucket below (as ``Route``); ``NEVER``
-    where int8 won (or fp32's failed) at the largest bucket."""
+    where int8 won (or fp32's failed) at the largest bucket. ``many``: the row count from which fp32 activations
+    run another path (a group of panels dequantised once) than below it (in registers): where that bucket was
+    timed on the path of ``many`` rows, the split is not put below ``many``, at rows of a path no timing measured
+    (4-bit weights on AVX2: 8 rows won at fp32 put the split at 3, and 3-5 rows ran 1.3-2.1x int8's time)."""
 
     def fp32_won(t: Mapping[str, float | None]) -> bool:
         fp32, int8 = t.get(INT8_LAYOUT_FP32), t.get(INT8)
@@ -53,17 +56,18 @@ def split_rows(timings: Mapping[int, Mapping[str, float | None]]) -> int:
         first -= 1
     if first == len(rows):
         return NEVER
-    return 1 if first == 0 else math.isqrt(rows[first - 1] * rows[first]) + 1
+    split = 1 if first == 0 else math.isqrt(rows[first - 1] * rows[first]) + 1
+    return max(split, many) if rows[first] >= many else split
 
 
-def choose_activations(timings: Mapping[int, Mapping[str, float | None]]) -> str:
+def choose_activations(timings: Mapping[int, Mapping[str, float | None]], many: int = 1) -> str:
     """For one quantised layer shape, {rows: {FP32 / INT8 (/ INT8_LAYOUT_FP32): seconds}} -> the layout its
     weights are kept in (one, not two): int8's where the geometric mean over the row counts of its time over
     fp32's is below ``MARGIN``; fp32 otherwise, or where int8 failed (None) at any row count (a kernel that gave
     a wrong result once is not trusted at others). Where INT8_LAYOUT_FP32 was timed, the int8 layout's time at a
-    bucket is that of the path it runs there (``split_rows``)."""
+    bucket is that of the path it runs there (``split_rows``, with ``many``)."""
     ratios = []
-    many = split_rows(timings)
+    many = split_rows(timings, many)
     for rows, t in timings.items():
         if not _ok(t.get(INT8)):
             return FP32

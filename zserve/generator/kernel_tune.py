@@ -337,8 +337,11 @@ def _measured_quant(n: int, k: int, bits: int, minimums: bool, half: bool, isa: 
                     run(x, packed, None)
                     best = min(best, clock() - t0)
                 timings[rows][name] = best
-    chosen = kernel_choice.choose_activations(timings)
-    many = kernel_choice.split_rows(timings) if chosen == kernel_choice.INT8 else kernel_choice.NEVER
+    # from this many rows the int8 layout's fp32 activations run a group of panels dequantised once, below it
+    # the weights converted in registers: the split is not put below it from a timing of the former
+    paths = native_quant_i8.MANY_ROWS[isa][bits == 4]
+    chosen = kernel_choice.choose_activations(timings, paths)
+    many = kernel_choice.split_rows(timings, paths) if chosen == kernel_choice.INT8 else kernel_choice.NEVER
     ratios = ", ".join(
         f"{r} rows {t[kernel_choice.FP32] / t[kernel_choice.INT8]:.2f}x" for r, t in timings.items()
         if t.get(kernel_choice.INT8)
