@@ -126,6 +126,18 @@ def test_from_its_split_the_int8_layout_runs_fp32_activations(isa, form):
                 assert ((got - (fp32 if rows >= many else int8)).abs() <= rounding).all()
 
 
+@needs_cc
+def test_a_split_past_a_c_int_is_clamped_to_never():
+    torch.manual_seed(3)
+    q, s, m, bits = _weights("u4m-f16", 48, 96)
+    x = torch.randn(9, 96)
+    never = i8.linear(x, i8.pack(q, s, m, bits=bits), None)
+    for many in (2**31, 2**32 + 1):  # wrapped in C: 2**31 to -2**31, every call at fp32 activations
+        w = i8.pack(q, s, m, bits=bits, many=many)
+        assert w.many == i8.NEVER and torch.equal(i8.linear(x, w, None), never)
+    assert i8.pack(q, s, m, bits=bits, many=-(2**40)).many == 1
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_packed_weights_take_the_fp32_kernels_bytes_and_give_back_their_rows(form):
     torch.manual_seed(3)

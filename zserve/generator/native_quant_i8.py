@@ -694,8 +694,9 @@ def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None, isa: s
          bits: int = 8, terms: int = TERMS, many: int = NEVER) -> PackedI8:  # fmt: skip
     """(q [N, K] integers, s and m [N, K/32] or m None) -> this kernel's layout for ``isa``, in the format
     ``native_quant.pack`` would choose (``u4m`` where ``bits`` is 4, else ``i8`` / ``i8m``), its activations
-    to be quantised in ``terms`` terms."""
+    to be quantised in ``terms`` terms, fp32 from ``many`` rows on (clamped to 1..``NEVER``: C takes an int)."""
     isa = isa or native_quant.default_isa()
+    many = max(1, min(int(many), NEVER))  # 2**31 would wrap to a negative int: every call at fp32 activations
     width = c_build.ISAS[isa].width
     n, k = q.shape
     panels, blocks = n // width, k // BLOCK
