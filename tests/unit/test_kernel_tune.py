@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from zserve.generator import cpu_linear, kernel_choice, kernel_tune, native_linear
+from zserve.generator import c_build, cpu_linear, kernel_choice, kernel_tune, native_linear
 
 
 @pytest.fixture
@@ -126,3 +126,19 @@ def test_few_rows_are_timed_on_more_weights_than_the_cache_holds(monkeypatch):
     assert flushes and set(flushes) == {12 << 20}  # 1.5x the cache
     assert len(flushes) >= 2 * candidates  # every timed pass at 1 and 32 rows, none at 128 (compute-bound)
     assert len(flushes) <= 2 * candidates * kernel_tune._REPEATS
+
+
+def test_a_quantised_shape_is_timed_on_a_bounded_sample_and_measured_once_for_every_width(monkeypatch):
+    monkeypatch.delenv(kernel_tune.QUANT_ACTIVATIONS_ENV, raising=False)
+    width = c_build.ISAS["portable"].width
+    for n, k in [(32000, 576), (2048, 8192), (4096, 14336), (64, 96), (100_000, 32)]:
+        out = kernel_tune.quant_sample_outputs(n, k, "portable")
+        assert out % width == 0 and out <= min(n, kernel_tune._QUANT_SAMPLE_OUTPUTS)
+        # the work of a timing stays bounded as K grows (the weights timed: outputs x inputs)
+        assert out * k <= max(kernel_tune._QUANT_SAMPLE_WEIGHTS, kernel_tune._QUANT_MIN_OUTPUTS * k)
+    if not c_build.has_compiler():
+        return
+    isa = c_build.isa().name
+    kernel_tune._measured_quant.cache_clear()
+    choices = {kernel_tune.quant_choice(n, 96, 8, False, True, isa) for n in (2048, 8192, 32000)}
+    assert len(choices) == 1 and kernel_tune._measured_quant.cache_info().misses == 1  # one sample of 1536 outputs

@@ -284,6 +284,18 @@ QUANT_ACTIVATIONS_ENV = "ZSERVE_QUANT_ACTIVATIONS"
 # from ~16-64 rows on (issue 36), AVX-512 VNNI's at none of these
 _QUANT_ROWS = (1, 8, 32, 128)
 _QUANT_SAMPLE_OUTPUTS = 1536  # outputs timed of a wider layer: the time per output is the same
+# and at most this many weights (outputs x inputs) unless that leaves fewer outputs than _QUANT_MIN_OUTPUTS: a
+# timing's work bounded as K grows (128 rows x 1536 x 8192 was 3.2 GFLOP a pass)
+_QUANT_SAMPLE_WEIGHTS = 1536 * 1536
+_QUANT_MIN_OUTPUTS = 256  # fewer would weigh quantising x (once a call, K a row) more than a layer's call does
+
+
+def quant_sample_outputs(out_features: int, in_features: int, isa: str) -> int:
+    """The outputs a quantised layer of this shape is timed on (``_measured_quant`` is keyed on them, so that
+    wider layers of the same inputs share one measurement): whole panels of ``isa``'s width."""
+    width = c_build.ISAS[isa].width
+    cap = min(_QUANT_SAMPLE_OUTPUTS, max(_QUANT_MIN_OUTPUTS, _QUANT_SAMPLE_WEIGHTS // max(1, in_features)))
+    return min(out_features, max(width, cap // width * width))
 
 
 def quant_path(out_features: int, in_features: int, bits: int, minimums: bool, half: bool, isa: str) -> str:
@@ -297,19 +309,21 @@ def quant_choice(out_features: int, in_features: int, bits: int, minimums: bool,
     """(the layout a quantised layer of this shape and format keeps here, ``kernel_choice.INT8`` or ``FP32``;
     where INT8, the row count from which a call runs fp32 activations on it, ``kernel_choice.NEVER`` for none):
     ``$ZSERVE_QUANT_ACTIVATIONS`` where it names one (no split), else measured on random weights of the same
-    form at 1, 8, 32 and 128 rows (the thread's CPU time, best of 3; ~20-60 ms a shape, once a process)."""
+    form at 1, 8, 32 and 128 rows (the thread's CPU time, best of 3), on ``quant_sample_outputs`` of its outputs:
+    once a process for each sample, K and format; on one thread of an AMD EPYC, 45-60 ms a shape at K = 576-1536,
+    100-160 ms at K = 2048, 140-320 ms at K = 8192-14336 (AVX2 and AVX-512 kernels, issue 36's review)."""
     forced = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto").lower()
     if forced in (kernel_choice.INT8, kernel_choice.INT8_ONE, kernel_choice.FP32):
         return forced, kernel_choice.NEVER
     if forced != "auto":
         log.warning("%s=%s is not int8, int8x1, fp32 or auto: measuring", QUANT_ACTIVATIONS_ENV, forced)
-    return _measured_quant(out_features, in_features, bits, minimums, half, isa, torch.get_num_threads())
+    n = quant_sample_outputs(out_features, in_features, isa)
+    return _measured_quant(n, in_features, bits, minimums, half, isa, torch.get_num_threads())
 
 
 @functools.cache
 def _measured_quant(n: int, k: int, bits: int, minimums: bool, half: bool, isa: str, threads: int) -> tuple[str, int]:
-    width, out = c_build.ISAS[isa].width, n
-    n = min(n, max(width, _QUANT_SAMPLE_OUTPUTS // width * width))
+    """``quant_choice`` measured on ``n`` outputs (``quant_sample_outputs``) of ``k`` inputs."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0 if bits == 4 else -127, 16 if bits == 4 else 128, (n, k), dtype=torch.int8, generator=gen)
     s = torch.rand(n, k // native_quant.BLOCK, generator=gen) * 0.02 + 1e-3
@@ -348,6 +362,6 @@ def _measured_quant(n: int, k: int, bits: int, minimums: bool, half: bool, isa: 
     )  # fmt: skip
     form = f"{bits}-bit{' with minimums' if minimums else ''}"
     split = f", fp32 activations from {many} rows" if many != kernel_choice.NEVER else ""
-    log.info("quantised %dx%d %s products on %s: %s activations%s (int8 against fp32: %s)", k, out, form, isa,
+    log.info("quantised %dx%d %s products on %s: %s activations%s (int8 against fp32: %s)", k, n, form, isa,
              chosen, split, ratios or "int8 unavailable")  # fmt: skip
     return chosen, many
