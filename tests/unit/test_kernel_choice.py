@@ -119,3 +119,13 @@ def test_the_int8_layout_is_kept_where_its_split_makes_it_faster_over_the_row_co
     # int8 failing anywhere (a wrong result) keeps the fp32 kernel, as without a split
     assert kc.choose_activations(t | {128: {fp32: 10, int8: None, split: 10}}) == fp32
     assert kc.choose_activations(t | {8: {fp32: 2, int8: None, split: 2.2}}) == fp32
+
+
+def test_the_split_moves_only_where_fp32_activations_won_clear_of_the_noise():
+    int8, split = kc.INT8, kc.INT8_LAYOUT_FP32
+    t = {1: {int8: 1.0, split: 2.0}, 8: {int8: 1.0, split: 0.92}, 32: {int8: 1.0, split: 0.8},
+         128: {int8: 1.0, split: 0.7}}  # fmt: skip
+    # 0.92 at 8 rows (or 1.06: AVX2, 4-bit, one allocation to the next): int8 keeps it, the split stays at 17
+    assert kc.split_rows(t, 6) == kc.split_rows(t | {8: {int8: 1.0, split: 1.06}}, 6) == 17
+    assert kc.split_rows(t | {8: {int8: 1.0, split: 0.89}}, 6) == 6  # clear of it
+    assert kc.split_rows(t | {128: {int8: 1.0, split: 0.91}}) == kc.NEVER
