@@ -42,6 +42,7 @@ batch_timeout_s = {batch_timeout_s}
 [models.options]
 path = "{lm}"
 hang_file = "{hang}"
+step_s = 0.005
 block_size = 8
 num_blocks = 256
 max_running = 8
@@ -134,12 +135,18 @@ class Generations:
         finally:
             conn.close()
 
-    def start_and_wait_for_text(self) -> Generations:
-        for t in self.threads:
+    def start_and_wait_for_text(self, plain: bool = True) -> Generations:
+        """Start the streams (and, with ``plain``, the non-streamed requests: else ``start_plain`` does) and wait
+        until every stream has text out: they are mid-generation."""
+        for t in self.threads[: STREAMS + (PLAIN if plain else 0)]:
             t.start()
-        for _ in range(STREAMS):  # every stream has text out: they are mid-generation
+        for _ in range(STREAMS):
             assert self.texts.acquire(timeout=60), self.outcomes
         return self
+
+    def start_plain(self) -> None:
+        for t in self.threads[STREAMS:]:
+            t.start()
 
     def join(self, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -164,19 +171,15 @@ class Generations:
 
 def test_engine_sigkill_mid_generation_answers_every_request_once(deployment):
     before = route_decisions(deployment)
-    gens = Generations(deployment).start_and_wait_for_text()
-    # the victim is the engine the broker sent most of them to (the router may well have sent them all to one:
-    # killing the other would test nothing), read from its decision counters, which lag the broker a little
-    deadline = time.monotonic() + 10
-    while True:
-        sent: dict[str, float] = {}
-        for (engine, reason), n in route_decisions(deployment).items():
-            sent[engine] = sent.get(engine, 0) + n - before.get((engine, reason), 0)
-        if sum(sent.values()) >= STREAMS + PLAIN or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    gens = Generations(deployment).start_and_wait_for_text(plain=False)
+    # the victim is the engine the broker sent most of the streams to (the router may well have sent them all to
+    # one: killing the other would test nothing), counted before the non-streamed requests go out (sent with
+    # them, a tie could pick the engine holding only those, and no stream would be lost)
+    sent = routed_since(deployment, before, STREAMS)
     holder = max(sent, key=lambda e: sent[e], default="")
     assert sent.get(holder, 0) >= 1, sent
+    gens.start_plain()
+    routed_since(deployment, before, STREAMS + PLAIN)  # all of them routed, wherever: then the fault
     [victim] = processes(deployment, f"--name {holder} ")
     at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
@@ -202,6 +205,19 @@ def test_a_generative_step_that_stops_advancing_is_found_killed_and_replaced(dep
     assert not psutil.pid_exists(hung_pid) or psutil.Process(hung_pid).status() == psutil.STATUS_ZOMBIE
     assert found_s < BATCH_TIMEOUT_S + 2.0, found_s
     gens.check(f"generative step hung (found after {found_s:.2f} s, batch_timeout_s {BATCH_TIMEOUT_S})", at, recovery)
+
+
+def routed_since(d: Deployment, before: dict[tuple[str, str], float], count: int) -> dict[str, float]:
+    """Engine -> requests routed to it since ``before``, once they add up to ``count`` (the decision counters lag
+    the broker a little) or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        sent: dict[str, float] = {}
+        for (engine, reason), n in route_decisions(d).items():
+            sent[engine] = sent.get(engine, 0) + n - before.get((engine, reason), 0)
+        if sum(sent.values()) >= count or time.monotonic() > deadline:
+            return sent
+        time.sleep(0.1)
 
 
 def route_decisions(d: Deployment) -> dict[tuple[str, str], float]:

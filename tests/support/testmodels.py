@@ -135,12 +135,14 @@ class CostedEcho(SlowEcho):
 class HangingLM(CausalLM):
     """The generative CausalLM whose engine step blocks forever once the file ``hang_file`` appears: the
     first engine to step after that takes the file (unlink is atomic, so exactly one hangs) and stops
-    advancing while its heartbeat thread lives on, so only the broker's batch_timeout_s can tell."""
+    advancing while its heartbeat thread lives on, so only the broker's batch_timeout_s can tell. Each step
+    takes at least ``step_s`` (a tiny model's 400 tokens would otherwise be over before a test can fault it)."""
 
-    def __init__(self, hang_file: str = "", **options: Any) -> None:
+    def __init__(self, hang_file: str = "", step_s: float = 0.0, **options: Any) -> None:
         super().__init__(**options)
         self.options["hang_file"] = hang_file
         self.hang_file = hang_file
+        self.step_s = step_s
 
     def setup(self, device: str) -> None:
         super().setup(device)
@@ -150,6 +152,8 @@ class HangingLM(CausalLM):
             try:
                 os.unlink(self.hang_file)
             except OSError:
+                if self.step_s:
+                    time.sleep(self.step_s)
                 return step()
             threading.Event().wait()
 
