@@ -18,7 +18,7 @@ import pytest
 
 from zserve.batching import prefix_table
 from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex, bound
-from zserve.batching.routing import PrefixRouter
+from zserve.batching.routing import InFlightPrompts, PrefixRouter
 from zserve.batching.workers import InFlightBatch, Worker
 
 CIndex = prefix_table.native_index()
@@ -165,7 +165,10 @@ def _drive(rng: random.Random, engines: list[bytes], steps: int) -> tuple[Prefix
         elif op < 0.55 and routed:
             item_id = routed.pop(rng.randrange(len(routed)))
             for r in (c, py):
-                r.inflight.remove(item_id)
+                if rng.random() < 0.5:
+                    r.inflight.remove(item_id)
+                else:
+                    r.finish([item_id, 10**9])  # an unknown one: nothing to do
         else:
             workers = _workers(rng, engines)
             free = [w for w in workers.values() if w.free_credits > 0]
@@ -175,12 +178,18 @@ def _drive(rng: random.Random, engines: list[bytes], steps: int) -> tuple[Prefix
             hashes = rng.choice(prompts) + [rng.getrandbits(64) for _ in range(rng.randrange(3))]
             if rng.random() < 0.05:
                 hashes = []
-            decision = c.route(hashes, least, workers)
-            assert decision == py.route(hashes, least, workers), step
-            if hashes and rng.random() < 0.5:  # some stay in flight: later prompts compare with them
-                for r in (c, py):
-                    r.inflight.add(step, decision[0], hashes)
-                routed.append(step)
+            if rng.random() < 0.5:  # some stay in flight: later prompts compare with them
+                item_id = rng.choice(routed) if routed and rng.random() < 0.1 else step  # or again, elsewhere
+                decision = c.dispatch(item_id, hashes, least, workers)
+                assert decision == py.dispatch(item_id, hashes, least, workers), step
+                routed.append(item_id)
+            else:
+                decision = c.route(hashes, least, workers)
+                assert decision == py.route(hashes, least, workers), step
+        assert len(c.inflight) == len(py.inflight), step
+    assert sorted(c.inflight.flights()) == sorted(py.inflight.flights())
+    # the C index's counters (of engines it holds, and of those dropped since) are the dict index's
+    assert c.report() == py.report() and sum(n.decisions["match"] for n in c.report().values()) > 0
     return c, py
 
 
@@ -203,13 +212,20 @@ def test_past_64_engines_the_router_moves_to_the_dict_index_with_every_entry(cap
         r.drop(engines[3])  # a free slot below the top: the 65th engine takes it, the 66th needs a 65th slot
         r.reset(engines[64], [5000], 0)
     assert c._route_c is not None  # 64 engines still
+    workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
+    for item_id in range(100):  # in flight when the index moves: they move with it
+        hashes = [rng.randrange(70), 1000 + rng.randrange(4), rng.randrange(3)]
+        least = workers[rng.choice(engines[:65])]
+        assert c.dispatch(item_id, hashes, least, workers) == py.dispatch(item_id, hashes, least, workers)
+    assert len(c.inflight) > 0
     with caplog.at_level(logging.WARNING, "zserve.broker"):
         for r in (c, py):
             r.reset(engines[65], [5001, 1000], 0)
     assert c._route_c is None and type(c.index) is PrefixIndex and "moves to Python" in caplog.text
     assert c.index.export() == py.index.export() and len(c.index) == len(py.index)
     assert c.index.bit(engines[65]) == 1 << 64 and c.index.holders(1000)[-1] == engines[65]
-    workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
+    assert sorted(c.inflight.flights()) == sorted(py.inflight.flights()) and type(c.inflight) is InFlightPrompts
+    assert c.report() == py.report() and c.report()
     for _ in range(200):
         hashes = [rng.randrange(70), 1000 + rng.randrange(4)]
         least = workers[rng.choice(engines)]
@@ -358,20 +374,32 @@ def test_route_holds_what_it_reads_across_the_python_code_it_runs():
             bytes(20)
 
     workers = {engine: _Hooked(engine, hook), b"least": least}
-    decision = c.route(hashes, least, workers, 10.0, 10, None, 8)
+    decision = c.route(hashes, least, workers, 10.0, 10, 8)
     assert decision == (b"least", "least_loaded", 0)  # the candidate is gone, its slot another engine's
     workers = {b"least": least, b"other": _Hooked(b"other")}
-    assert c.route(hashes, least, workers, 10.0, 10, None, 8) == (b"other", "match", 2)
+    assert c.route(hashes, least, workers, 10.0, 10, 8) == (b"other", "match", 2)
     # the prompts in flight, changed as the engines computing them are read: read after, as they are then
-    flying = {b"computing": [[11, 12, 99]], b"other": [[11, 12, 13, 14]]}
-    workers[b"computing"] = _Hooked(b"computing", lambda: flying.pop(b"other", None))
+    c.reset(b"computing", [], 0)
+    c.fly(1, b"computing", [11, 12, 99])
+    c.fly(2, b"other", [11, 12, 13, 14])
+    workers[b"computing"] = _Hooked(b"computing", lambda: c.land([2]))
     hashes = [11, 12, 13, 14]
-    assert c.route(hashes, least, workers, 10.0, 10, flying, 8) == (b"other", "match", 3)  # held, not computed: 4
-    flying[b"other"] = [[11, 12, 13, 14]]
-    workers[b"computing"].hook = lambda: flying[b"other"].clear()
-    assert c.route(hashes, least, workers, 10.0, 10, flying, 8) == (b"other", "match", 3)  # held, not computed: 4
+    assert c.route(hashes, least, workers, 10.0, 10, 8) == (b"other", "match", 3)  # held, no more computed: 4
+
+    def grow() -> None:  # hundreds more in flight: the pools move in memory
+        for i in range(100, 400):
+            c.fly(i, b"computing", [11, 12, 13, 14, i])
+
+    workers[b"computing"].hook = grow
+    assert c.route(hashes, least, workers, 10.0, 10, 8) == (b"computing", "match", 4)
+    assert c.in_flight() == 301 and c.computing(hashes, b"computing", 8) == 4
+    c.land(range(100, 400))
+    assert c.in_flight() == 1 and c.computing(hashes, b"computing", 8) == 2
     with pytest.raises(TypeError, match="must be an int"):
         c.longest([11, "12"], 1)
+    with pytest.raises(TypeError, match="must be an int"):
+        c.dispatch(5, [11, None], least, workers, 10.0, 10, 8)
+    assert c.in_flight() == 1  # nothing kept of a refused call
 
 
 @pytest.mark.parametrize("kv_blocks", [2**62, sys.maxsize, 2**64 - 1])
@@ -393,16 +421,17 @@ def test_an_engine_reporting_a_huge_pool_is_bounded_alike_in_both_indexes(kv_blo
     assert c.log_size(b"e") == py.log_size(b"e") == len(stored) and len(c) == len(py)
 
 
-def test_more_engines_computing_a_prefix_than_route_takes_leave_it_to_the_python_path():
+def test_prompts_in_flight_on_engines_without_a_slot_are_kept_by_neither_index():
     c, py = PrefixRouter(), PrefixRouter(native=False)
-    engines = [f"e{i}".encode() for i in range(70)]  # 6 of them without a Hello: computing, holding nothing
+    engines = [f"e{i}".encode() for i in range(70)]  # 6 of them without a Hello
     workers = {e: Worker(e, e.decode(), 1, "engine", ("lm",), 2, 0.0) for e in engines}
     for i, engine in enumerate(engines[:64]):
         for r in (c, py):
             r.reset(engine, [7, 100 + i], 0)
     for i, engine in enumerate(engines):
+        least = workers[engine]
         for r in (c, py):
-            r.inflight.add(i, engine, [7, 8, 9][: 1 + i % 3])
+            r.dispatch(i, [7, 8, 9][: 1 + i % 3], least, {engine: least})  # each to its own engine
+    assert len(c.inflight) == len(py.inflight) == 64
     least = workers[engines[0]]
-    assert c.index.route([7, 8, 9], least, workers, 1.5, 2, c.inflight.at(7), 8) is None
     assert c.route([7, 8, 9], least, workers) == py.route([7, 8, 9], least, workers) == (b"e2", "match", 3)

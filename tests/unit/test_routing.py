@@ -295,7 +295,8 @@ def _reference(router: PrefixRouter, hashes: list[int], candidates: list[Candida
         return n
 
     def computing(engine: bytes) -> int:
-        prompts = router.inflight._first.get(hashes[0], {}).get(engine, [])[-InFlightPrompts.MAX_COMPARED :]
+        in_flight = list(((router.inflight.at(hashes[0]) or {}).get(engine) or {}).values())
+        prompts = in_flight[-InFlightPrompts.MAX_COMPARED :]
         return max((leading(lambda i, p=p: i < len(p) and p[i] == hashes[i]) for p in prompts), default=0)
 
     matched = {
@@ -362,12 +363,12 @@ def test_route_takes_the_least_loaded_and_the_first_blocks_holders_with_credit(n
             continue
         least = min(free, key=lambda w: len(w.in_flight))
         hashes = rng.choice(prompts)
-        # the candidates as the broker gathered them before: the least loaded, then the engines holding the first
-        # block, then those computing it, each once and only with a free slot
-        candidates, seen = [Candidate(least.worker_id, len(least.in_flight))], {least.worker_id}
-        for e in (*router.index.holders(hashes[0]), *router.inflight.engines_at(hashes[0])):
-            if e not in seen and workers[e].free_credits > 0:
-                seen.add(e)
+        # the candidates as the broker gathers them: the least loaded, then the engines holding the first block
+        # or computing it, by slot, each once and only with a free slot
+        candidates = [Candidate(least.worker_id, len(least.in_flight))]
+        others = {*router.index.holders(hashes[0]), *router.inflight.engines_at(hashes[0])} - {least.worker_id}
+        for e in sorted(others, key=router.index.bit):
+            if workers[e].free_credits > 0:
                 candidates.append(Candidate(e, len(workers[e].in_flight)))
         assert router.route(hashes, least, workers) == _reference(router, hashes, candidates)
     assert router.route([], least, workers) == (least.worker_id, LEAST_LOADED, 0)

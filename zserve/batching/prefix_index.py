@@ -53,10 +53,15 @@ class PrefixIndex:
         self._engines: list[bytes | None] = []  # slot -> engine
 
     def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
-        """A (re)registered engine: its snapshot replaces whatever was known of it."""
-        self.drop(engine)
-        free = [i for i, e in enumerate(self._engines) if e is None]
-        slot = free[0] if free else len(self._engines)
+        """A registered engine: its snapshot replaces whatever was known of it. A new one takes the lowest free
+        slot; one registered again keeps its slot (the router's prompts in flight there are still its own)."""
+        held = self._held.get(engine)
+        if held is not None:
+            slot = held.slot
+            self.drop(engine)
+        else:
+            free = [i for i, e in enumerate(self._engines) if e is None]
+            slot = free[0] if free else len(self._engines)
         if slot == len(self._engines):
             self._engines.append(engine)
         else:

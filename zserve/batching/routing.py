@@ -9,9 +9,9 @@ engine's entries go at once (``drop``). It is ``zserve.batching.prefix_table``'s
 can build it (64 engines at most; a 65th moves the router to the dict index, ``prefix_index.PrefixIndex``,
 which also serves where no C compiler is found): the same contents and decisions, under half the CPU.
 
-The broker adds what it routed and is not finished yet (``InFlightPrompts``): an engine reports the blocks it
-allocated only after the step that allocated them, so without it the requests that arrive during a prefill
-would not find the prefix being computed.
+The broker adds what it routed and is not finished yet (``InFlightPrompts``; the C index keeps its own,
+``NativeInFlight``): an engine reports the blocks it allocated only after the step that allocated them, so
+without it the requests that arrive during a prefill would not find the prefix being computed.
 
 The policy, per request with prompt blocks ``h_1..h_n`` (SGLang's router and vLLM production-stack's load-aware
 router do the same in their own units):
@@ -22,7 +22,7 @@ router do the same in their own units):
   * nothing held anywhere (or no blocks given): the least loaded engine (``least_loaded``).
 The cost: one probe of the index for a prompt whose first block no engine holds or computes; else one binary
 search over the prompt's blocks for all the engines holding its first block at once (``PrefixIndex.longest``);
-with the C index, all of it is one call (``route``), the prompts in flight under its first block included.
+with the C index, all of it is one call (``dispatch``: the choice, and the sequence then in flight there).
 Nothing at all for a model with one engine. Measured with ``python -m bench.generation routing-cost``.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from zserve.batching.prefix_index import PrefixIndex
@@ -53,45 +54,43 @@ class InFlightPrompts:
     group that arrive during its first turn's prefill find nothing and go elsewhere. NVIDIA Dynamo's router keeps
     the same. Bounded by the sequences in flight; gone when they finish or their engine goes.
 
-    Kept as the prompts themselves (the request's own hash list, not copied), grouped by first block and engine:
-    adding and removing one is O(1), where counting every block of it cost ~7 us a request at 64 blocks; a match
-    compares the request with the last ``MAX_COMPARED`` prompts in flight on that engine under the same first
-    block (a binary search each, as chains share prefixes)."""
+    Kept as the prompts themselves (the request's own hash list, not copied), grouped by first block and engine,
+    in the order they were routed: adding and removing one is O(1), where counting every block of it cost ~7 us a
+    request at 64 blocks; a match compares the request with the newest ``MAX_COMPARED`` prompts in flight on that
+    engine under the same first block (a binary search each, as chains share prefixes). The C index keeps the
+    same in C (``NativeInFlight``); this one serves the dict index."""
 
     MAX_COMPARED = 8
 
     def __init__(self) -> None:
-        # a prompt's first hash -> engine -> the hashes of its prompts in flight there, oldest first
-        self._first: dict[int, dict[bytes, list[Sequence[int]]]] = {}
-        self._routed: dict[int, tuple[bytes, Sequence[int]]] = {}  # item id -> (engine, its hashes)
+        # a prompt's first hash -> engine -> item id -> its hashes, oldest first
+        self._first: dict[int, dict[bytes, dict[int, Sequence[int]]]] = {}
+        self._routed: dict[int, tuple[bytes, int]] = {}  # item id -> (engine, its first hash)
 
     def add(self, item_id: int, engine: bytes, hashes: Sequence[int]) -> None:
         if item_id in self._routed:
             self.remove(item_id)  # routed again (re-dispatched after its engine was lost)
-        self._routed[item_id] = (engine, hashes)
-        by_engine = self._first.get(hashes[0])
-        if by_engine is None:
-            self._first[hashes[0]] = {engine: [hashes]}
-        else:
-            prompts = by_engine.get(engine)
-            if prompts is None:
-                by_engine[engine] = [hashes]
-            else:
-                prompts.append(hashes)
+        if not hashes:
+            return
+        self._routed[item_id] = (engine, hashes[0])
+        self._first.setdefault(hashes[0], {}).setdefault(engine, {})[item_id] = hashes
 
     def remove(self, item_id: int) -> None:
         routed = self._routed.pop(item_id, None)
         if routed is None:
             return
-        engine, hashes = routed
-        by_engine = self._first[hashes[0]]
+        engine, first = routed
+        by_engine = self._first[first]
         prompts = by_engine[engine]
-        if len(prompts) == 1:
+        del prompts[item_id]
+        if not prompts:
             del by_engine[engine]
             if not by_engine:
-                del self._first[hashes[0]]
-        else:
-            prompts.remove(hashes)  # this very list, or an equal one: the same prompt either way
+                del self._first[first]
+
+    def finish(self, item_ids: Iterable[int]) -> None:
+        for item_id in item_ids:
+            self.remove(item_id)
 
     def drop(self, engine: bytes) -> None:
         """The engine is gone: so is what it was computing."""
@@ -102,8 +101,9 @@ class InFlightPrompts:
         """The engines computing a prompt whose first block is ``h``."""
         return self._first.get(h, {}).keys()
 
-    def at(self, h: int) -> dict[bytes, list[Sequence[int]]] | None:
-        """Per engine, the prompts in flight there whose first block is ``h`` (None: none anywhere)."""
+    def at(self, h: int) -> dict[bytes, dict[int, Sequence[int]]] | None:
+        """Per engine, the prompts in flight there whose first block is ``h``, by item id, oldest first (None:
+        none anywhere)."""
         return self._first.get(h)
 
     def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
@@ -113,17 +113,65 @@ class InFlightPrompts:
             return dict.fromkeys(engines, 0)
         return {e: _longest_common(hashes, by_engine.get(e)) for e in engines}
 
+    def flights(self) -> list[tuple[int, bytes, Sequence[int]]]:
+        """Every prompt in flight: (item id, engine, hashes), each engine's under a first block oldest first."""
+        return [(i, e, h) for by_engine in self._first.values() for e, d in by_engine.items() for i, h in d.items()]
+
     def __len__(self) -> int:
         return len(self._routed)
 
 
-def _longest_common(hashes: Sequence[int], prompts: list[Sequence[int]] | None) -> int:
-    """The most leading blocks ``hashes`` has in common with one of the last ``MAX_COMPARED`` of ``prompts``
-    (chains under the same first block)."""
+class NativeInFlight:
+    """``InFlightPrompts`` kept by the C index (``prefix_table``), each prompt's hashes copied as uint64s: a route
+    compares them without reading a Python int, and a dispatch (``route`` and ``add``) or a batch's ``finish`` is
+    one C call. It keeps nothing for an engine the index has no slot for (a worse route, never a wrong answer)."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def add(self, item_id: int, engine: bytes, hashes: Sequence[int]) -> None:
+        self._index.fly(item_id, engine, hashes)  # type: ignore[attr-defined]
+
+    def remove(self, item_id: int) -> None:
+        self._index.land((item_id,))  # type: ignore[attr-defined]
+
+    def finish(self, item_ids: Iterable[int]) -> None:
+        self._index.land(item_ids)  # type: ignore[attr-defined]
+
+    def drop(self, engine: bytes) -> None:
+        """Nothing to do: the index's ``drop`` of an engine lands its prompts in flight."""
+
+    def engines_at(self, h: int) -> Iterable[bytes]:
+        return self._index.flying(h)  # type: ignore[attr-defined]
+
+    def at(self, h: int) -> dict[bytes, dict[int, Sequence[int]]] | None:
+        """As ``InFlightPrompts.at`` (built from ``flights``: for the tests' and the pure ``choose``'s use)."""
+        out: dict[bytes, dict[int, Sequence[int]]] = {}
+        for item_id, engine, hashes in self.flights():
+            if hashes[0] == h:
+                out.setdefault(engine, {})[item_id] = hashes
+        return out or None
+
+    def matches(self, hashes: Sequence[int], engines: Iterable[bytes]) -> dict[bytes, int]:
+        computing = self._index.computing  # type: ignore[attr-defined]
+        return {e: computing(hashes, e, InFlightPrompts.MAX_COMPARED) if hashes else 0 for e in engines}
+
+    def flights(self) -> list[tuple[int, bytes, Sequence[int]]]:
+        return self._index.flights()  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return self._index.in_flight()  # type: ignore[attr-defined]
+
+
+def _longest_common(hashes: Sequence[int], prompts: dict[int, Sequence[int]] | None) -> int:
+    """The most leading blocks ``hashes`` has in common with one of the newest ``MAX_COMPARED`` of ``prompts``
+    (chains under the same first block, oldest first)."""
     best = 0
     if prompts:
         n = len(hashes)
-        for prompt in prompts[-InFlightPrompts.MAX_COMPARED :]:
+        for prompt in islice(reversed(prompts.values()), InFlightPrompts.MAX_COMPARED):
             common = _common(hashes, prompt)
             if common > best:
                 best = common
@@ -174,6 +222,7 @@ class EngineCounters:
 
 
 _NOTHING_COMPUTED: dict[bytes, int] = {}  # never written: what no prompt in flight computes
+_COMPARED = InFlightPrompts.MAX_COMPARED
 
 
 class PrefixRouter:
@@ -184,23 +233,37 @@ class PrefixRouter:
         built = native_index() if native else None
         self.index: PrefixIndex = built() if built is not None else PrefixIndex()
         self._route_c = getattr(self.index, "route", None)  # the C index's whole choice, one call
-        self.inflight = InFlightPrompts()
+        self._dispatch_c = getattr(self.index, "dispatch", None)  # and the sequence then in flight, the same call
+        self.inflight: InFlightPrompts | NativeInFlight = (
+            NativeInFlight(self.index) if built is not None else InFlightPrompts()
+        )
         self.spill_ratio = spill_ratio
         self.spill_slack = spill_slack
-        self.counters: dict[str, EngineCounters] = {}  # by engine name (stable over its restarts)
-        self._by_worker: dict[bytes, EngineCounters] = {}  # worker id -> its counters (the hot path's lookup)
+        # by engine name (stable over its restarts): the dict index's counts, and the C index's of engines gone
+        # (the C index counts those it holds itself: ``report`` adds them)
+        self.counters: dict[str, EngineCounters] = {}
+        self._by_worker: dict[bytes, EngineCounters] = {}  # worker id -> its counters (the dict index's lookup)
+        self._names: dict[bytes, str] = {}  # worker id -> the name it is counted by
 
-    def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0) -> None:
-        """A (re)registered engine's snapshot (``PrefixIndex.reset``). The C index's masks hold 64 engines: a 65th
+    def reset(self, engine: bytes, hashes: Iterable[int], kv_blocks: int = 0, name: str = "") -> None:
+        """A (re)registered engine's snapshot (``PrefixIndex.reset``); ``name``: its worker name (``name:pid``),
+        counted without the pid, so its counters survive its restarts. The C index's masks hold 64 engines: a 65th
         moves this router to the dict index (the same contents, each engine in its slot), for good."""
+        if name:
+            self._names[engine] = name.rsplit(":", 1)[0]
         try:
             self.index.reset(engine, hashes, kv_blocks)
         except OverflowError:
             if self._route_c is None:
                 raise
             log.warning("more than %d engines: the routing index moves to Python (slower)", MAX_ENGINES)
+            flights = self.inflight.flights()
+            self._harvest()
             self.index = PrefixIndex.restore(self.index.export())  # type: ignore[attr-defined]
-            self._route_c = None
+            self._route_c = self._dispatch_c = None
+            self.inflight = InFlightPrompts()
+            for item_id, worker, prompt in flights:
+                self.inflight.add(item_id, worker, prompt)
             self.index.reset(engine, hashes, kv_blocks)
 
     def route(self, hashes: Sequence[int], least: Worker, workers: dict[bytes, Worker]) -> tuple[bytes, str, int]:
@@ -210,14 +273,10 @@ class PrefixRouter:
         pool's size does. Returns (engine, reason, blocks it holds): no objects, the broker's hot path."""
         if not hashes:
             return least.worker_id, LEAST_LOADED, 0
+        if self._route_c is not None:  # all of it in one C call
+            return self._route_c(hashes, least, workers, self.spill_ratio, self.spill_slack, _COMPARED)
         first = hashes[0]
-        flying = self.inflight._first.get(first)
-        if self._route_c is not None:  # all of it in one C call (None: more engines computing it than it takes)
-            decision = self._route_c(
-                hashes, least, workers, self.spill_ratio, self.spill_slack, flying, InFlightPrompts.MAX_COMPARED
-            )
-            if decision is not None:
-                return decision
+        flying = self.inflight.at(first)
         index = self.index
         if not flying:
             mask = index._holders.get(first, 0)
@@ -239,21 +298,37 @@ class PrefixRouter:
             mask = index.mask(first)
         least_id = least.worker_id
         least_bit = index.bit(least_id)
+        if flying:
+            for engine in flying:  # an engine the index has no slot for is not scored (as in the C index)
+                mask |= index.bit(engine)
         candidates = [(least_id, len(least.in_flight), least_bit)]
         scored = least_bit  # the candidates' bits
-        for engine in index.engines_in(mask & ~least_bit):  # the engines holding the first block, by slot
+        # the engines holding the first block or computing it, by slot, as the C index takes them
+        for engine in index.engines_in(mask & ~least_bit):
             w = workers.get(engine)
             if w is not None and w.free_credits > 0:
                 bit = index.bit(engine)
                 candidates.append((engine, len(w.in_flight), bit))
                 scored |= bit
-        if flying:  # and those computing it without holding it (whose bits cannot score in the index)
-            for engine in flying:
-                if engine != least_id and not index.bit(engine) & mask:
-                    w = workers.get(engine)
-                    if w is not None and w.free_credits > 0:
-                        candidates.append((engine, len(w.in_flight), 0))
         return self._choose(hashes, candidates, scored, flying)
+
+    def dispatch(
+        self, item_id: int, hashes: Sequence[int], least: Worker, workers: dict[bytes, Worker]
+    ) -> tuple[bytes, str, int]:
+        """``route``'s decision for queued sequence ``item_id``, which is in flight on that engine from then on
+        (``inflight``), until ``finish``: one C call with the C index."""
+        if self._dispatch_c is not None:  # counted there too
+            return self._dispatch_c(item_id, hashes, least, workers, self.spill_ratio, self.spill_slack, _COMPARED)
+        engine, reason, matched = decision = self.route(hashes, least, workers)
+        if self.index.bit(engine):  # none kept or counted for an engine without a slot, as in C
+            if hashes:
+                self.inflight.add(item_id, engine, hashes)
+            self.count(engine, reason, matched, len(hashes))
+        return decision
+
+    def finish(self, item_ids: Iterable[int]) -> None:
+        """These sequences are finished: what they computed is the engine's to report now."""
+        self.inflight.finish(item_ids)
 
     def choose(self, hashes: Sequence[int], candidates: Sequence[Candidate]) -> Decision:
         """Pick an engine for a prompt whose blocks hash to ``hashes`` (``candidates``: at least one, the least
@@ -272,7 +347,7 @@ class PrefixRouter:
         hashes: Sequence[int],
         candidates: list[tuple[bytes, int, int]],
         mask: int,
-        flying: dict[bytes, list[Sequence[int]]] | None,
+        flying: dict[bytes, dict[int, Sequence[int]]] | None,
     ) -> tuple[bytes, str, int]:
         """``choose`` over (engine, running, bit) rows, ``mask`` their bits and ``flying`` the prompts in flight
         under the first block. Each candidate scores the leading blocks it holds (reported) or computes (in
@@ -303,19 +378,48 @@ class PrefixRouter:
             return least[0], SPILL, matched
         return best[0], MATCH, longest
 
-    def count(self, engine: bytes, name: str, reason: str, matched: int, requested: int) -> None:
-        """Count a decision for engine ``engine`` (worker id), named ``name`` (``name:pid``): counted by its name
-        without the pid, so its counters survive its restarts."""
+    def count(self, engine: bytes, reason: str, matched: int, requested: int) -> None:
+        """Count a decision for engine ``engine`` (worker id), by its name (the dict index's; the C index counts
+        in ``dispatch``)."""
         counters = self._by_worker.get(engine)
         if counters is None:
-            key = name.rsplit(":", 1)[0]
-            counters = self._by_worker[engine] = self.counters.setdefault(key, EngineCounters())
+            counters = self._by_worker[engine] = self.counters.setdefault(self._name(engine), EngineCounters())
         counters.requested += requested
         counters.found += matched
         counters.decisions[reason] += 1
 
+    def report(self) -> dict[str, EngineCounters]:
+        """Since the broker started, per engine name (those that were chosen): prompt blocks routed, found in the
+        chosen engine's cache, and the decisions by reason."""
+        if self._route_c is None:
+            return self.counters
+        out = {name: EngineCounters(c.requested, c.found, dict(c.decisions)) for name, c in self.counters.items()}
+        for engine, requested, found, *decisions in self.index.counts():  # type: ignore[attr-defined]
+            if any(decisions):
+                _add(out.setdefault(self._name(engine), EngineCounters()), requested, found, decisions)
+        return out
+
+    def _harvest(self, engine: bytes | None = None) -> None:
+        """The C index's counts of ``engine`` (None: of every engine) into ``counters``: it forgets them next."""
+        for worker, requested, found, *decisions in self.index.counts():  # type: ignore[attr-defined]
+            if (engine is None or worker == engine) and any(decisions):
+                _add(self.counters.setdefault(self._name(worker), EngineCounters()), requested, found, decisions)
+
+    def _name(self, engine: bytes) -> str:
+        return self._names.get(engine) or engine.decode(errors="replace")
+
     def drop(self, engine: bytes) -> None:
-        """The engine is gone: its index entries and the prompts it was computing go now."""
+        """The engine is gone: its index entries and the prompts it was computing go now (its counts stay)."""
+        if self._route_c is not None:
+            self._harvest(engine)
         self.index.drop(engine)
         self.inflight.drop(engine)
         self._by_worker.pop(engine, None)
+        self._names.pop(engine, None)
+
+
+def _add(counters: EngineCounters, requested: int, found: int, decisions: Sequence[int]) -> None:
+    counters.requested += requested
+    counters.found += found
+    for reason, n in zip(REASONS, decisions, strict=True):
+        counters.decisions[reason] += n

@@ -29,15 +29,14 @@ class Routes:
     def finished(self, batch: InFlightBatch) -> None:
         router = self.routers.get(batch.model)
         if router is not None:
-            for item_id in batch.item_ids:
-                router.inflight.remove(item_id)
+            router.finish(batch.item_ids)
 
     def on_hello(self, worker_id: bytes, msg: Hello) -> None:
         """After the pool registered the engine: its snapshot replaces what was known of it."""
         for model in msg.models:
             router = self.routers.get(model)
             if router is not None:
-                router.reset(worker_id, msg.block_hashes, msg.kv_blocks)
+                router.reset(worker_id, msg.block_hashes, msg.kv_blocks, msg.worker)
 
     def on_step(self, worker_id: bytes, msg: StepOutput) -> None:
         # each router's index knows the engines that said Hello for its model and are still in the pool, and
@@ -50,12 +49,8 @@ class Routes:
         router = self.routers[model]
         request = self.requests.by_id.get(item_id)
         hashes = request.block_hashes if request is not None else []
-        engine, reason, matched = router.route(hashes, fallback, self.pool.workers)
-        if hashes:
-            router.inflight.add(item_id, engine, hashes)
-        chosen = fallback if engine is fallback.worker_id else self.pool.workers[engine]
-        router.count(engine, chosen.name, reason, matched, len(hashes))
-        return chosen
+        engine = router.dispatch(item_id, hashes, fallback, self.pool.workers)[0]
+        return fallback if engine is fallback.worker_id else self.pool.workers[engine]
 
     def report(self, model: str) -> list[EngineRouting]:
         router = self.routers.get(model)
@@ -63,5 +58,5 @@ class Routes:
             return []
         return [
             EngineRouting(name, c.requested, c.found, c.decisions[MATCH], c.decisions[SPILL], c.decisions[LEAST_LOADED])
-            for name, c in sorted(router.counters.items())
+            for name, c in sorted(router.report().items())
         ]
