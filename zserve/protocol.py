@@ -52,6 +52,9 @@ class Submit(Msg, tag=1):
     block_hashes: list[int] = []
     priority: int = 0  # lower is more urgent (vLLM's convention); see zserve.batching.fair_share
     tenant: str = ""  # whose quota and share this request counts against ([[tenants]]); "" = nobody's
+    # block_hashes packed as little-endian uint64s (``prefix_hash.pack``): what frontends send since, as the
+    # broker decodes 8 bytes a block as one object, not an int each; b"" = none (or block_hashes, older frontends)
+    block_hashes_packed: bytes = b""
 
 
 class Cancel(Msg, tag=2):

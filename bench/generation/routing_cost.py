@@ -5,11 +5,13 @@ simulated generative engines, each registered with a Hello snapshot of ``--block
 finishing each at once. Per request: admit (Submits), route and dispatch (tick), flush, the engine's final
 StepOutput with its cache deltas (its prompt's last 4 blocks stored; each engine is full, so it reports its 4
 least recently used evicted, as an engine's block manager does: never its shared prefix, which the requests
-that match it keep recent). The hashes reach the core as fresh ints decoded from msgpack just before, as the
-broker's shell hands them over. ``--in-flight K`` keeps K sequences in flight (each finishes once K later ones
-were routed, first in, first out), so requests meet prompts in flight under their first block, as under load;
-with ``--blocks 1024`` (the bound's floor) and the default 20,000 requests every engine's log reaches its
-compaction (reported).
+that match it keep recent). Each request's Submits header is decoded in the timed part, as the broker's shell
+decodes it (``protocol.Codec``): its hashes packed as frontends send them (``Submit.block_hashes_packed``; with
+``--wire list``, a list of ints as older frontends did), none for least_loaded (whose frontends send none), so
+what the hashes cost to decode counts as routing's. ``--in-flight K`` keeps K sequences in flight (each
+finishes once K later ones were routed, first in, first out), so requests meet prompts in flight under their
+first block, as under load; with ``--blocks 1024`` (the bound's floor) and the default 20,000 requests every
+engine's log reaches its compaction (reported).
 
 Reported: broker CPU per request (thread time of the core's calls alone, median and mean: the mean counts the
 compactions the median hides) with ``routing = "cache_aware"`` on the C index (``zserve.batching.prefix_table``,
@@ -35,12 +37,13 @@ from collections.abc import Callable
 
 import msgspec
 
+from zserve.batching.prefix_hash import pack
 from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
 from zserve.batching.prefix_table import native_index
 from zserve.batching.routing import PrefixRouter
 from zserve.broker.core import BrokerCore
 from zserve.config import parse_config
-from zserve.protocol import Hello, Status, StepOutput, Submit, Submits
+from zserve.protocol import Codec, Hello, Status, StepOutput, Submit, Submits
 
 CONFIG = """
 [[models]]
@@ -115,11 +118,15 @@ def run(
     a request then meets prompts in flight under its first block, as under load."""
     rng = random.Random(args.seed)
     core, prefixes, held = build(variant, args, rng)
-    prompts = []
-    for _ in range(args.requests):
+    prompts, codec = [], Codec()
+    for i in range(args.requests):
         shared = rng.randrange(args.prompt_blocks + 1)
-        fresh = [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
-        prompts.append(msgspec.msgpack.encode(rng.choice(prefixes)[:shared] + fresh))
+        hashes = rng.choice(prefixes)[:shared] + [rng.getrandbits(64) for _ in range(args.prompt_blocks - shared)]
+        if variant == "least_loaded":
+            blocks = {}
+        else:
+            blocks = {"block_hashes": hashes} if args.wire == "list" else {"block_hashes_packed": pack(hashes)}
+        prompts.append((codec.encode(Submits([Submit(i, "lm", **blocks)], [1])), hashes))
     # what the run set up (the index, the engines) is old by the time a broker serves: kept out of the young
     # generations, so collections cost what a long-running broker's cost, not a scan of the fresh set-up
     gc.collect()
@@ -135,12 +142,10 @@ def run(
         core.scheduler.routes["lm"] = _timed(core.routes.choose, own_ns)  # type: ignore[assignment]
         core.routes.on_step = _timed(core.routes.on_step, own_ns)  # type: ignore[method-assign]
         core.pool.on_finished = _timed(core.routes.finished, own_ns)  # type: ignore[assignment]
-    for i, encoded in enumerate(prompts):
-        # decoded as the broker's shell does, just before the core sees them: what its probes read is in cache
-        hashes = msgspec.msgpack.decode(encoded)
+    for i, (encoded, hashes) in enumerate(prompts):
         now = i * 1e-4
-        submits = Submits([Submit(i, "lm", block_hashes=hashes)], [1])
         started = clock()
+        submits = codec.decode(encoded)  # as the broker's shell does
         core.on_client(b"c", submits, [b"{}"], now)
         core.tick(now)
         _, work = core.flush()
@@ -226,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--wire",
+        choices=["packed", "list"],
+        default="packed",
+        help="how the Submits carry the hashes: packed (frontends) or a list of ints (older ones)",
+    )
     p.add_argument("--in-flight", type=int, default=0,
                    help="sequences kept in flight, finished first in, first out (default %(default)s)")  # fmt: skip
     args = p.parse_args(argv)

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from zserve.batching.prefix_hash import block_hashes, chain_hash, shareable_hashes
+from zserve.batching.prefix_hash import block_hashes, chain_hash, pack, shareable_hashes, unpack
+from zserve.batching.prefix_table import buildable, native_index
 from zserve.generator.block_manager import BlockManager, SeqBlocks
 
 # BLAKE2b-64 of (parent as 8 little-endian bytes, each id as 4): fixed values, so a change of the function (which
@@ -75,3 +76,18 @@ def test_events_are_the_net_change_and_eviction_is_reported():
     bm.free(c)  # stored and evicted between two reports: only its last state goes out (an idempotent evict)
     stored, evicted = bm.take_events()
     assert stored == [] and sorted(evicted) == sorted(block_hashes([9, 9, 9, 9], 2))
+
+
+def test_packed_hashes_are_little_endian_uint64s_that_both_indexes_read_as_the_ints():
+    hashes = [0, 1, 2**63, 2**64 - 1, GOLDEN[0][2]]
+    packed = pack(hashes)
+    assert packed[8:16] == (1).to_bytes(8, "little") and unpack(packed) == hashes
+    assert unpack(packed + b"\x01\x02") == hashes  # a partial last hash is dropped
+    index = native_index()
+    if index is None:
+        assert not buildable()
+        return
+    c = index(seed=1)
+    c.reset(b"e", hashes[:3], 0)
+    assert c.longest(packed, c.bit(b"e")) == c.longest(hashes, c.bit(b"e")) == (3, c.bit(b"e"))
+    assert c.longest(packed + b"\x01", 1) == c.longest(hashes, 1) and c.longest(b"\x01" * 7, 1) == (0, 0)

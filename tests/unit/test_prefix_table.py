@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from zserve.batching import prefix_table
+from zserve.batching.prefix_hash import pack
 from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex, bound
 from zserve.batching.routing import InFlightPrompts, PrefixRouter
 from zserve.batching.workers import InFlightBatch, Worker
@@ -180,8 +181,9 @@ def _drive(rng: random.Random, engines: list[bytes], steps: int) -> tuple[Prefix
                 hashes = []
             if rng.random() < 0.5:  # some stay in flight: later prompts compare with them
                 item_id = rng.choice(routed) if routed and rng.random() < 0.1 else step  # or again, elsewhere
-                decision = c.dispatch(item_id, hashes, least, workers)
-                assert decision == py.dispatch(item_id, hashes, least, workers), step
+                sent = pack(hashes) if rng.random() < 0.5 else hashes  # as frontends send them, or older ones
+                decision = c.dispatch(item_id, sent, least, workers)
+                assert decision == py.dispatch(item_id, sent, least, workers), step
                 routed.append(item_id)
             else:
                 decision = c.route(hashes, least, workers)

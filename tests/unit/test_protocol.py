@@ -49,9 +49,10 @@ def test_an_older_peer_decodes_a_message_with_appended_fields():
         block_hashes: list[int] = []
         priority: int = 0
         tenant: str = ""
+        block_hashes_packed: bytes = b""
         later: int = 0  # appended in a newer version
 
-    data = msgspec.msgpack.encode(SubmitV2(1, "m", 5, True, True, 7, [2**64 - 1], -1, "t", later=3))
-    assert p.Codec().decode(data) == p.Submit(1, "m", 5, True, True, 7, [2**64 - 1], -1, "t")
+    data = msgspec.msgpack.encode(SubmitV2(1, "m", 5, True, True, 7, [2**64 - 1], -1, "t", b"\xff" * 8, later=3))
+    assert p.Codec().decode(data) == p.Submit(1, "m", 5, True, True, 7, [2**64 - 1], -1, "t", b"\xff" * 8)
     # and a newer peer fills defaults when an older one omits trailing fields
     assert p.Codec().decode(msgspec.msgpack.encode([1, 7, "m"])) == p.Submit(7, "m")

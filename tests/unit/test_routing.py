@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from zserve.batching.prefix_hash import pack
 from zserve.batching.prefix_index import MIN_ENTRIES, PrefixIndex
 from zserve.batching.prefix_table import buildable, native_index
 from zserve.batching.routing import LEAST_LOADED, MATCH, SPILL, Candidate, InFlightPrompts, PrefixRouter
@@ -160,8 +161,10 @@ SENT: dict[int, tuple[bytes, int]] = {}  # req_id -> (engine, batch id) of the l
 
 
 def submit(core: BrokerCore, req_id: int, hashes: list[int], model: str = "lm", now: float = 0.0) -> bytes:
-    """Submit one sequence and dispatch it: the engine it went to."""
-    core.on_client(b"cl", Submits([Submit(req_id, model, block_hashes=hashes)], [1]), [b"{}"], now)
+    """Submit one sequence and dispatch it: the engine it went to. Its hashes go as frontends send them (packed)
+    for an even ``req_id``, and as older frontends did (a list) for an odd one: the same route either way."""
+    blocks = {"block_hashes_packed": pack(hashes)} if req_id % 2 == 0 else {"block_hashes": hashes}
+    core.on_client(b"cl", Submits([Submit(req_id, model, **blocks)], [1]), [b"{}"], now)
     core.tick(now)
     [send] = [w for w in core.flush()[1] if isinstance(w.header, Batch)]
     SENT[req_id] = (send.worker_id, send.header.batch_id)

@@ -14,6 +14,7 @@ A block of 16 tokens costs about 1.8 us (``hash()`` of a tuple: 0.4 us; timeit, 
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -44,6 +45,18 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
         h = chain_hash(h, token_ids[start : start + block_size])
         hashes.append(h)
     return hashes
+
+
+def pack(hashes: Sequence[int]) -> bytes:
+    """The hashes as the wire carries them to the broker (``Submit.block_hashes_packed``): little-endian uint64s,
+    8 bytes each. The broker's shell decodes them as one bytes object and its C index reads them as they are,
+    where a list of 64 ints cost ~1.1 us of its CPU to decode and ~0.3 us more to read."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack(packed: bytes) -> list[int]:
+    """``pack``'s hashes back as ints (the dict index's input); a partial last hash is dropped."""
+    return list(struct.unpack_from(f"<{len(packed) // 8}Q", packed))
 
 
 def shareable_hashes(prompt_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:

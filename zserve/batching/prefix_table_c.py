@@ -437,7 +437,21 @@ static PyObject *I_engines_in(Index *s, PyObject *o) {
 #define ROUTE_BUF 256
 typedef struct { uint64_t *h, buf[ROUTE_BUF]; Py_ssize_t n; } hashes_t;
 
+/* From a sequence of ints, or bytes packed as little-endian uint64s (prefix_hash.pack: a partial last one is
+   dropped), read as they are. */
 static int read_hashes(PyObject *o, hashes_t *out) {
+    if (PyBytes_Check(o)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(o) / 8;
+        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(o);
+        out->n = n;
+        out->h = n <= ROUTE_BUF ? out->buf : PyMem_RawMalloc(n * sizeof(uint64_t));
+        if (!out->h) { PyErr_NoMemory(); return -1; }
+        memcpy(out->h, p, n * sizeof(uint64_t));
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        for (Py_ssize_t i = 0; i < n; i++) out->h[i] = __builtin_bswap64(out->h[i]);
+#endif
+        return 0;
+    }
     PyObject *seq = PySequence_Fast(o, "hashes: a sequence");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);

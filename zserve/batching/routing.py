@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
+from zserve.batching.prefix_hash import unpack
 from zserve.batching.prefix_index import PrefixIndex
 from zserve.batching.prefix_table import MAX_ENGINES, native_index
 from zserve.batching.workers import Worker
@@ -266,15 +267,22 @@ class PrefixRouter:
                 self.inflight.add(item_id, worker, prompt)
             self.index.reset(engine, hashes, kv_blocks)
 
-    def route(self, hashes: Sequence[int], least: Worker, workers: dict[bytes, Worker]) -> tuple[bytes, str, int]:
+    def route(
+        self, hashes: Sequence[int] | bytes, least: Worker, workers: dict[bytes, Worker]
+    ) -> tuple[bytes, str, int]:
         """The engine of ``workers`` for a prompt whose blocks hash to ``hashes`` (``least``: the pool's least
         loaded engine with credit), as ``choose`` picks it: the candidates are ``least`` and the engines with
         credit that hold or compute the prompt's first block, so a request costs what they do, not what the
-        pool's size does. Returns (engine, reason, blocks it holds): no objects, the broker's hot path."""
+        pool's size does. ``hashes``: ints, or ``prefix_hash.pack``'s bytes. Returns (engine, reason, blocks it
+        holds): no objects, the broker's hot path."""
         if not hashes:
             return least.worker_id, LEAST_LOADED, 0
         if self._route_c is not None:  # all of it in one C call
             return self._route_c(hashes, least, workers, self.spill_ratio, self.spill_slack, _COMPARED)
+        if isinstance(hashes, bytes):
+            hashes = unpack(hashes)
+            if not hashes:
+                return least.worker_id, LEAST_LOADED, 0
         first = hashes[0]
         flying = self.inflight.at(first)
         index = self.index
@@ -313,12 +321,14 @@ class PrefixRouter:
         return self._choose(hashes, candidates, scored, flying)
 
     def dispatch(
-        self, item_id: int, hashes: Sequence[int], least: Worker, workers: dict[bytes, Worker]
+        self, item_id: int, hashes: Sequence[int] | bytes, least: Worker, workers: dict[bytes, Worker]
     ) -> tuple[bytes, str, int]:
         """``route``'s decision for queued sequence ``item_id``, which is in flight on that engine from then on
         (``inflight``), until ``finish``: one C call with the C index."""
         if self._dispatch_c is not None:  # counted there too
             return self._dispatch_c(item_id, hashes, least, workers, self.spill_ratio, self.spill_slack, _COMPARED)
+        if isinstance(hashes, bytes):
+            hashes = unpack(hashes)
         engine, reason, matched = decision = self.route(hashes, least, workers)
         if self.index.bit(engine):  # none kept or counted for an engine without a slot, as in C
             if hashes:

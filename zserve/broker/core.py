@@ -187,7 +187,9 @@ class BrokerCore:
                 continue
             if item.cost > 1:
                 request.cost = item.cost
-            if item.block_hashes:  # a routed generative model's prompt blocks (the frontend bounds them too)
+            if item.block_hashes_packed:  # a routed generative model's prompt blocks (the frontend bounds them too)
+                request.block_hashes = item.block_hashes_packed[: 8 * MAX_ROUTE_BLOCKS]
+            elif item.block_hashes:  # as frontends before block_hashes_packed send them
                 request.block_hashes = item.block_hashes[:MAX_ROUTE_BLOCKS]
             if item.tenant or item.priority:  # the FIFO hot path pays this one test
                 request.priority = item.priority

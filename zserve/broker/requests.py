@@ -30,7 +30,8 @@ class Request(msgspec.Struct, gc=False):  # a C-level constructor: this runs onc
     chunks_sent: int = 0  # a streamed request with chunks out cannot be re-dispatched (text would repeat)
     cost: int = 1  # what the client said it costs (models batched by cost)
     suspect: bool = False  # was in a batch that hung: goes alone, and a worker that stalls on it is hung sooner
-    block_hashes: list[int] = []  # generative models routed cache_aware: the prompt's blocks (Submit.block_hashes)
+    # generative models routed cache_aware: the prompt's blocks (Submit.block_hashes, or block_hashes_packed)
+    block_hashes: list[int] | bytes = []
     priority: int = 0  # Submit.priority
     tenant: str = ""  # Submit.tenant: counted in RequestTable.pending_by_tenant while pending
 

@@ -15,6 +15,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zserve import payload
+from zserve.batching.prefix_hash import pack
 from zserve.client.pending import PING_INTERVAL_S, Answer, PendingTable, Waiter, answer_of
 from zserve.client.streams import AsyncGenerationStream, prompt_body, response_of
 from zserve.client.sync import _AUTH_FAILED, endpoint_from_config, submits_messages
@@ -252,9 +253,8 @@ class AsyncClient:
         """Register a request and queue its Submit for this turn's message; its req_id."""
         self._socket()  # created lazily, inside the running loop
         timeout_ms = (timeout_ms if timeout_ms is not None else self.timeout_ms) or 0
-        submit = Submit(
-            self._table.new_id(), model, timeout_ms, decoded, stream, cost, block_hashes or [], priority, tenant
-        )
+        packed = pack(block_hashes) if block_hashes else b""
+        submit = Submit(self._table.new_id(), model, timeout_ms, decoded, stream, cost, [], priority, tenant, packed)
         self._table.add(submit, frames, waiter, time.monotonic())
         self._items.append((submit, frames))
         self._schedule_flush()

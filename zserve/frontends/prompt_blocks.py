@@ -1,6 +1,6 @@
 """A routed generative model's prompt, tokenised in the frontend the way its engine tokenises it, down to the
 hashes of its prefix blocks (``zserve.batching.prefix_hash``): what the broker's router matches against its
-engines' caches (``Submit.block_hashes``).
+engines' caches (``Submit.block_hashes_packed``).
 
 Why here: the broker must know a request's blocks before it routes, and its one loop must not tokenise; a
 frontend worker has the request's decoded body anyway, and there are as many of them as the deployment wants.
