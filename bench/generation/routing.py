@@ -20,7 +20,10 @@ the workloads through HTTP with the ``openai`` client (streamed /v1/completions;
     engine's hot capacity (the hot calibration's / engines); per engine the requests routed to it (the broker's
     routing counters: cache_aware only), and every request's outcome (answered, 503 at admission, anything else).
 
-``--workloads`` runs a subset (e.g. ``chats``); the ratios are reported for the workloads run.
+``--workloads`` runs a subset (e.g. ``chats``); the ratios are reported for the workloads run. Each engine's KV
+pool has room for ``--max-running`` sequences and every prefix besides, so each engine can keep them all (and
+least_loaded finds a prefix once each engine computed it); ``--kv-blocks N`` gives it N blocks instead, e.g. room
+for every prefix once across the engines but not in each, as where a deployment's prefixes outgrow one engine.
 
 Reports per leg and workload TTFT p50/p99, output tok/s, and the engines' prefix-cache hit rate (cached prompt
 tokens / prompt tokens, from the broker's health report), with the ratios cache_aware / least_loaded, and the hit
@@ -332,6 +335,8 @@ def run_leg(
     # room for every sequence that can be in flight (max_running), plus the prefixes kept between requests
     options = engine_options(path, args.dtype, args.max_running, tokens_per_seq, args.max_batched_tokens)
     options["num_blocks"] += args.groups * (args.prefix // 16 + 1)
+    if args.kv_blocks:  # a pool that cannot keep every prefix: what the engines' caches hold together counts
+        options["num_blocks"] = args.kv_blocks
     url, clients, stop = deploy(path, routing, options, args)
     rows = []
     try:
@@ -419,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a comma-separated subset of %(default)s")  # fmt: skip
     p.add_argument("--max-running", type=int, default=16, help="sequences per engine (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
+    p.add_argument("--kv-blocks", type=int, default=0,
+                   help="each engine's KV pool in blocks of 16 (default: room for max-running sequences and every "
+                        "prefix besides, so each engine can keep them all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sglang-router",
