@@ -424,9 +424,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="a comma-separated subset of %(default)s")  # fmt: skip
     p.add_argument("--max-running", type=int, default=16, help="sequences per engine (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=int, default=256)
-    p.add_argument("--kv-blocks", type=int, default=0,
-                   help="each engine's KV pool in blocks of 16 (default: room for max-running sequences and every "
-                        "prefix besides, so each engine can keep them all)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="each engine's KV pool in blocks of 16 (default: room for max-running sequences and every "
+        "prefix besides, so each engine can keep them all)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sglang-router",

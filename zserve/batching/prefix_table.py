@@ -1,8 +1,10 @@
 """The index of the engines' prefix caches in C: ``PrefixIndex``'s contents and answers for at most 64 engines,
-with a request's choice of engine (``route``, the prompts in flight under its first block included) and a
-step's deltas (``update``) one call each. With 64 engines the router's calls cost ~4.5 us of broker CPU a request
-on this index with nothing in flight and ~6 us with 64 sequences in flight (the dict index's: ~11 and ~16), and
-this index takes at most 80 bytes a cached block where the dict index takes 168 (bench/results/35-broker-cost.md).
+with the router's prompts in flight and counters kept too, so a request's dispatch (its choice of engine, the
+sequence then in flight there, the count), a finished batch and a step's deltas are one call each. With 64
+engines routing adds ~4-4.5 us of broker CPU a request on this index with nothing in flight (the packed hashes'
+decode included) and the router's calls cost ~3-4.5 us with 64 sequences in flight (the dict index's: ~10-19),
+and this index takes at most 80 bytes a cached block where the dict index takes 168
+(bench/results/35-broker-cost.md).
 
 A CPython extension module (``prefix_table_c.SOURCE``, plain C, the CPython API only), compiled on first use with
 the system's C compiler (``$CC`` or ``cc``, as our kernels are: ``zserve.generator.c_build``, whose compile step
@@ -97,9 +99,10 @@ def native_index() -> type | None:
         return None
 
     class CPrefixIndex(built.Index):  # type: ignore[misc,name-defined]
-        """``PrefixIndex`` in C (``prefix_table_c``); ``route`` is ``PrefixRouter.route`` for a prompt nothing in
-        flight starts like, ``export`` what ``PrefixIndex.restore`` takes. ``reset`` raises OverflowError for a
-        65th engine (the router then moves to the dict index)."""
+        """``PrefixIndex`` in C (``prefix_table_c``), with the router's prompts in flight (``routing.NativeInFlight``
+        reads them) and counters; ``route`` is ``PrefixRouter.route``'s decision, ``dispatch`` its ``dispatch``,
+        ``export`` what ``PrefixIndex.restore`` takes. ``reset`` raises OverflowError for a 65th engine (the router
+        then moves to the dict index)."""
 
         __slots__ = ()
 
