@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from cluster import Cluster
 from tinylm import build_tiny_lm
 
 import zserve
@@ -80,6 +81,20 @@ def start(cluster_factory, tiny_path, engines: int = 1, num_blocks: int = 256):
     return c
 
 
+@pytest.fixture(scope="module")
+def shared(tiny_path, tmp_path_factory):
+    """One broker and engine (256 blocks) shared by the tests that need no other configuration: each leaves the
+    engine idle (its sequences finished or aborted, waited for), and a start costs seconds of 2 shared cores."""
+    c = Cluster(TOML.format(path=tiny_path, engines=1, num_blocks=256), tmp_path_factory.mktemp("shared-lm"))
+    try:
+        c.start_broker()
+        c.start_engine("lm", 0)
+        c.wait_ready({"lm": 1})
+        yield c
+    finally:
+        c.stop()
+
+
 def health(client) -> zserve.protocol.ModelHealth:
     return next(m for m in client.health().models if m.name == "lm")
 
@@ -108,8 +123,8 @@ def test_staggered_requests_from_many_clients_equal_generate(cluster_factory, ti
     wait_for(lambda: health(client).free_kv_blocks == 48)  # every block came back
 
 
-def test_stream_deltas_concatenate_to_the_response(cluster_factory, tiny_path):
-    c = start(cluster_factory, tiny_path)
+def test_stream_deltas_concatenate_to_the_response(shared):
+    c = shared
     client = c.client()
     for prompt in ("Emoji travel as several bytes:", "你好"):
         stream = client.generate_stream(prompt, model="lm", max_new_tokens=40, ignore_eos=True, temperature=1, seed=5)
@@ -121,8 +136,8 @@ def test_stream_deltas_concatenate_to_the_response(cluster_factory, tiny_path):
         assert same.generated_text == stream.response.generated_text  # seeded sampling is reproducible
 
 
-def test_stop_strings_and_chat_messages(cluster_factory, tiny_path):
-    c = start(cluster_factory, tiny_path)
+def test_stop_strings_and_chat_messages(shared):
+    c = shared
     client = c.client()
     [full] = client.generate("The quick brown fox", model="lm", max_new_tokens=30, ignore_eos=True)
     stop = full.generated_text[5:8]
@@ -132,8 +147,8 @@ def test_stop_strings_and_chat_messages(cluster_factory, tiny_path):
     assert "".join(chat) == chat.response.generated_text and chat.response.generated_length == 5
 
 
-def test_closing_a_stream_aborts_the_sequence_and_frees_its_blocks(cluster_factory, tiny_path):
-    c = start(cluster_factory, tiny_path, num_blocks=256)
+def test_closing_a_stream_aborts_the_sequence_and_frees_its_blocks(shared):
+    c = shared
     client = c.client()
     stream = client.generate_stream("DeepSpeed is", model="lm", max_new_tokens=400, ignore_eos=True)
     next(stream)
@@ -164,8 +179,8 @@ def test_bad_requests_name_the_field(cluster_factory, tiny_path):
     assert ok.generated_length == 3
 
 
-def test_async_client_generate_and_stream(cluster_factory, tiny_path, reference):
-    c = start(cluster_factory, tiny_path)
+def test_async_client_generate_and_stream(shared, reference):
+    c = shared
 
     async def main():
         async with zserve.AsyncClient(c.plan.endpoints.client) as client:
@@ -179,10 +194,10 @@ def test_async_client_generate_and_stream(cluster_factory, tiny_path, reference)
     assert "".join(deltas) == streamed.generated_text == responses[0].generated_text
 
 
-def test_a_decoded_body_of_another_shape_is_read_as_before(cluster_factory, tiny_path):
+def test_a_decoded_body_of_another_shape_is_read_as_before(shared):
     """A direct client's decoded body need not be a GenerateRequest's map: a prompt string is a prompt, as before the
     typed contract; a map missing its prompt is a 400 naming the field."""
-    c = start(cluster_factory, tiny_path)
+    c = shared
 
     async def main():
         async with zserve.AsyncClient(c.plan.endpoints.client) as client:
@@ -215,8 +230,8 @@ def test_engine_killed_mid_generation_every_request_is_answered(cluster_factory,
     assert 1 <= lost <= 4
 
 
-def test_sequences_from_different_clients_share_engine_steps(cluster_factory, tiny_path):
-    c = start(cluster_factory, tiny_path)
+def test_sequences_from_different_clients_share_engine_steps(shared):
+    c = shared
     seen: list[int] = []
     stop = threading.Event()
     watcher = c.client()
