@@ -38,7 +38,9 @@ def served(tiny_path):
 
 @pytest.fixture(scope="module")
 def oai(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # closed before the deployment stops: an idle keep-alive connection left open holds its shutdown ~5 s
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
 
 
 def test_completions_with_the_openai_client_match_the_python_client(served, oai):

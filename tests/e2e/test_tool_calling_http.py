@@ -5,6 +5,7 @@ non-streamed answer; bad tool input is a 400 naming its field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -39,7 +40,9 @@ def oai(tmp_path_factory):
     options = {"path": str(path), "block_size": 8, "num_blocks": 1024, "max_running": 8, "max_new_tokens": 64}
     served = zserve.serve("zserve.models.causal_lm:CausalLM", name="tiny", options=options, timeout_ms=120_000)
     try:
-        yield openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # closed before the deployment stops: an idle keep-alive connection left open holds its shutdown ~5 s
+        with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            yield client
     finally:
         assert served.terminate() == 0
 
@@ -138,7 +141,12 @@ def test_a_two_turn_tool_loop_through_the_openai_agents_sdk(oai):
     agent = Agent(name="weather", instructions="Answer about the weather.", tools=[get_weather],
                   model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
                   model_settings=settings)  # fmt: skip
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+
+    async def run():
+        async with client:  # closed on its own loop: a keep-alive connection left open holds the shutdown ~5 s
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
+    result = asyncio.run(run())  # what Runner.run_sync does, with the client closed
     assert seen and seen[0] in ("Paris", "Oslo"), [r.output for r in result.raw_responses]
     assert isinstance(result.final_output, str)
     assert len(result.raw_responses) >= 2  # the call, then the answer after the tool message
