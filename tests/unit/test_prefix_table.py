@@ -437,3 +437,71 @@ def test_prompts_in_flight_on_engines_without_a_slot_are_kept_by_neither_index()
     assert len(c.inflight) == len(py.inflight) == 64
     least = workers[engines[0]]
     assert c.route([7, 8, 9], least, workers) == py.route([7, 8, 9], least, workers) == (b"e2", "match", 3)
+
+
+class _Collected:
+    """Garbage in a cycle whose finalizer runs ``then`` (Python code) when a collection finds it: the collection
+    runs at whatever allocation crosses the threshold, so inside any C call that makes a Python object."""
+
+    def __init__(self, then) -> None:
+        self.me, self.then = self, then
+
+    def __del__(self) -> None:
+        self.then()
+
+
+def _at_each_threshold(run, thresholds=range(1, 12)):
+    old = gc.get_threshold()
+    try:
+        for threshold in thresholds:
+            gc.collect()
+            gc.set_threshold(threshold)
+            run(threshold)
+    finally:
+        gc.set_threshold(*old)
+        gc.collect()
+
+
+def test_flights_copies_what_it_lists_before_a_collection_can_land_them():
+    # flights() made its lists while it walked the flights: a finalizer landing them left it reading freed memory
+    # (SIGSEGV; ASan: heap-use-after-free in hash_list)
+    def run(threshold: int) -> None:
+        c = CIndex(seed=1)
+        c.reset(b"a", [], 0)
+        for i in range(10):
+            c.fly(i, b"a", [5, i, i + 1])
+        gc.disable()
+        _Collected(lambda: c.land(range(10)))
+        gc.enable()
+        # as they were when it was called (or none, where the collection came before the call)
+        assert sorted(c.flights()) in ([(i, b"a", [5, i, i + 1]) for i in range(10)], []), threshold
+        gc.collect()
+        assert c.flights() == [] and c.in_flight() == 0
+
+    _at_each_threshold(run)
+
+
+def test_dispatch_keeps_nothing_on_an_engine_dropped_while_its_decision_is_made():
+    # the decision's tuple is made after choose's last read; a finalizer it set off dropped the chosen engine, and
+    # the sequence was put in flight and counted on its free slot, which the next engine to register inherited
+    def run(threshold: int) -> None:
+        c = CIndex(seed=1)
+        c.reset(b"least", [], 0)
+        c.reset(b"a", [11, 12, 13], 0)
+
+        def hook() -> None:
+            gc.disable()
+            _Collected(lambda: c.drop(b"a"))
+            gc.enable()
+
+        least = _Hooked(b"least")
+        decision = c.dispatch(7, [11, 12, 13], least, {b"least": least, b"a": _Hooked(b"a", hook)}, 10.0, 10, 8)
+        gc.collect()
+        if c.bit(b"a") == 0:  # dropped meanwhile: nothing of the sequence kept or counted anywhere
+            assert c.in_flight() == 0 and c.flights() == [] and all(sum(n[1:]) == 0 for n in c.counts())
+            c.reset(b"newcomer", [], 0)
+            assert c.computing([11, 12, 13], b"newcomer", 8) == 0 and c.counts()[-1][1:] == (0, 0, 0, 0, 0)
+        else:
+            assert decision == (b"a", "match", 3) and c.flights() == [(7, b"a", [11, 12, 13])], threshold
+
+    _at_each_threshold(run)

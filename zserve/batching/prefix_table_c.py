@@ -643,6 +643,9 @@ static PyObject *I_dispatch(Index *s, PyObject *const *a, Py_ssize_t n) {
     if (key_of(a[0], &item) || route_args(a + 1, &workers, &ratio, &slack, &compared) || read_hashes(a[1], &hs))
         return NULL;
     result = choose(s, hs.h, hs.n, a[2], workers, ratio, slack, compared, &chosen);
+    /* the decision's tuple was made after choose's last read, and making it may run a collection (finalizers:
+       Python code that may drop the chosen engine): its slot is looked up again */
+    if (result && chosen >= 0 && (chosen = slot_of(s, PyTuple_GET_ITEM(result, 0))) == -2) Py_CLEAR(result);
     if (result && chosen >= 0) {
         if (hs.n && fly(s, item, chosen, hs.h, hs.n)) Py_CLEAR(result);
         else {
@@ -722,23 +725,40 @@ static PyObject *hash_list(const uint64_t *h, Py_ssize_t n) {
 }
 
 /* flights(): every prompt in flight as (item, engine, hashes), each engine's under a first block oldest first
-   (what InFlightPrompts.add takes, in the order that rebuilds the same lists). */
+   (what InFlightPrompts.add takes, in the order that rebuilds the same lists). Copied out first, with no Python
+   object made meanwhile: making one may run a collection, whose finalizers may land flights under the walk. */
+typedef struct { uint64_t item; PyObject *engine; Py_ssize_t at, n; } snapshot_t;
+
 static PyObject *I_flights(Index *s, PyObject *unused) {
-    PyObject *out = PyList_New(0);
-    for (int32_t g = 0; out && g < s->gr_cap; g++) {
-        for (uint64_t mask = s->gr[g].mask; out && mask; mask &= mask - 1) {
+    Py_ssize_t total = 0, k = 0, at = 0;
+    for (int32_t f = 0; f < s->fl_cap; f++) if (s->fl[f].h) total += s->fl[f].n;
+    snapshot_t *snap = PyMem_RawMalloc((s->fl_count ? s->fl_count : 1) * sizeof(snapshot_t));
+    uint64_t *hashes = PyMem_RawMalloc((total ? total : 1) * sizeof(uint64_t));
+    if (!snap || !hashes) { PyMem_RawFree(snap); PyMem_RawFree(hashes); return PyErr_NoMemory(); }
+    for (int32_t g = 0; g < s->gr_cap; g++) {
+        for (uint64_t mask = s->gr[g].mask; mask; mask &= mask - 1) {
             int slot = __builtin_ctzll(mask);
             int32_t f = s->gr[g].newest[slot];
             while (s->fl[f].older >= 0) f = s->fl[f].older;
-            for (; out && f >= 0; f = s->fl[f].newer) {
-                PyObject *h = hash_list(s->fl[f].h, s->fl[f].n), *t = NULL;
-                if (!h || !(t = Py_BuildValue("(KON)", (unsigned long long)s->fl[f].item, s->held[slot].engine, h))
-                    || PyList_Append(out, t))
-                    Py_CLEAR(out);
-                Py_XDECREF(t);
+            for (; f >= 0; f = s->fl[f].newer) {
+                snapshot_t *o = &snap[k++];
+                o->item = s->fl[f].item; o->engine = s->held[slot].engine; o->at = at; o->n = s->fl[f].n;
+                Py_XINCREF(o->engine);
+                memcpy(hashes + at, s->fl[f].h, o->n * sizeof(uint64_t));
+                at += o->n;
             }
         }
     }
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < k; i++) {
+        PyObject *h = hash_list(hashes + snap[i].at, snap[i].n), *t = NULL;
+        PyObject *engine = snap[i].engine ? snap[i].engine : Py_None;
+        if (!h || !(t = Py_BuildValue("(KON)", (unsigned long long)snap[i].item, engine, h)) || PyList_Append(out, t))
+            Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    for (Py_ssize_t i = 0; i < k; i++) Py_XDECREF(snap[i].engine);
+    PyMem_RawFree(snap); PyMem_RawFree(hashes);
     return out;
 }
 
