@@ -436,7 +436,7 @@ class BrokerCore:
                 "worker %s (pid %d) lost: no heartbeat for %.1fs", worker.name, worker.pid, self.pool.liveness_s
             )
             self._fail_batches(batches, f"worker {worker.name} was lost")
-        for worker in self.pool.hung(heard, self.hangs.timeout_s):
+        for worker in self.pool.hung(heard, self.hangs.timeout_s, self.hangs.shortest_s):
             batches, alone = self.hangs.hang(worker, now)
             self._fail_batches(batches, f"worker {worker.name} hung", alone)
         for worker in self.pool.left():

@@ -54,6 +54,11 @@ class Hangs:
         self.outbox = outbox
         self._hung: dict[bytes, None] = {}  # ids of workers found hung (insertion-ordered, bounded)
         self._kills: list[tuple[int, str]] = []  # (pid, worker name) for the shell to kill
+        # at most every worker's ``timeout_s`` (a derived batch timeout only grows from the model's timeout): no
+        # worker stalled for less is hung, so ``WorkerPool.hung`` need not look
+        self.shortest_s = min(
+            [SUSPECT_FLOOR_S, *(t if t is not None else timeouts_s[m] for m, t in batch_timeouts_s.items())]
+        )
 
     def batch_timeout_s(self, model: str) -> float:
         """How long a worker of ``model`` may hold work without progress before it counts as hung."""
