@@ -40,10 +40,11 @@ class BusyConnection(asyncio.Protocol):
         self.answered = False
         self.received = False  # some bytes of a request came
         self.timer: asyncio.TimerHandle | None = None
+        self.opened_s = worker.loop.time()
         # Counted as open, so that a stopping worker waits for the answer; not as one the limit is for. Counted
         # when accepted (as FastHttpProtocol is), uncounted once, in connection_lost.
         gunicorn_internals.connection_opened(worker)
-        connections.busy += 1
+        connections.busy.add(self)
         self.counted = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -55,7 +56,7 @@ class BusyConnection(asyncio.Protocol):
             self.timer.cancel()
         if self.counted:
             self.counted = False
-            self.connections.busy -= 1
+            self.connections.busy.discard(self)
             gunicorn_internals.connection_closed(self.worker)
 
     def _expire(self) -> None:
@@ -66,6 +67,16 @@ class BusyConnection(asyncio.Protocol):
         elif not self.answered:
             message = "the request was not sent whole within the keep-alive time"
             self._answer(error_response(408, "request_timeout", message, connection=CLOSE))
+
+    def drain(self, now_s: float, min_idle_s: float) -> None:
+        """The worker stops: a client that has sent nothing for ``min_idle_s`` since it connected is closed now
+        (FastConnections.drain), not after the idle time; a request begun is still answered."""
+        transport = self.transport
+        if self.received or transport is None or transport.is_closing() or now_s - self.opened_s < min_idle_s:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         self.received = True

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gunicorn_h1c
 
@@ -33,6 +34,9 @@ from zserve.frontends.auth import ANONYMOUS
 from zserve.frontends.fast_answers import CLOSE, CONTINUE, DateHeader, KeepAliveHeader, PendingRequest, error_response
 from zserve.frontends.fast_state import ENDING, ConnState, Event, advance
 from zserve.frontends.resources import PredictRoute
+
+if TYPE_CHECKING:
+    from zserve.frontends.fast_busy import BusyConnection
 
 log = logging.getLogger("zserve.frontend")
 
@@ -79,7 +83,7 @@ class FastHttpProtocol(asyncio.Protocol):
         # Flow control, apart from the state: what the transport was last told (reading) and told us (writing).
         self._reading = True
         self._writing = True
-        self.seen = False  # bytes arrived since the last sweep
+        self.seen = True  # bytes arrived since the last sweep (the accept counts: it is no idle time)
         self.idle_s = 0.0
         self.head_s = 0.0  # how long the request head being read has taken so far, from its first byte (sweeps)
         # Counted here, when accepted, not in connection_made: asyncio builds the protocols of a whole accept burst
@@ -315,7 +319,8 @@ class FastHttpProtocol(asyncio.Protocol):
         gunicorn_internals.connection_closed(self.worker)  # the ASGI protocol counts it again
         if not self._reading:
             self.transport.resume_reading()
-        gunicorn_internals.hand_over(self.worker, self.transport, raw, writing_paused=not self._writing)
+        protocol = gunicorn_internals.hand_over(self.worker, self.transport, raw, writing_paused=not self._writing)
+        self.connections.handed_over.add(protocol)
 
     def _pause_reading(self) -> None:
         if self._reading and self.state is not CLOSED:
@@ -351,10 +356,11 @@ class FastHttpProtocol(asyncio.Protocol):
         self._advance(Event.CLOSE)
         self.transport.abort()
 
-    def sweep(self, interval_s: float, keepalive_s: float) -> None:
-        """Close this connection if it has been idle past ``keepalive_s``. Not sooner when the worker stops:
-        a client may be sending on it right now (closing would fail that request); a request that arrives
-        then is answered with ``Connection: close``, as gunicorn's own protocol does.
+    def sweep(self, interval_s: float, keepalive_s: float, draining: bool) -> None:
+        """Close this connection if it has been idle past ``keepalive_s``, or, once the worker has stopped
+        accepting (``draining``), past one sweep interval with no request in progress (FastConnections.drain
+        says why that is safe). A request in progress then is served, and its answer ends the connection
+        (``Connection: close``, PendingRequest.connection).
 
         A request head has ``keepalive_s`` from its first byte to arrive whole (nginx's client_header_timeout),
         else 408: the idle time alone restarts on every byte, so a head dripped a byte at a time would hold the
@@ -362,20 +368,25 @@ class FastHttpProtocol(asyncio.Protocol):
         state = self.state
         if self.queue or state in ENDING:
             return
-        if state is READING and self._raw:  # a head begun (its bytes are kept until it is known to be ours)
+        begun = state is READING and (self._current is not None or self._raw)  # ``_raw``: a head's bytes so far
+        if state is READING and self._raw:
             self.head_s += interval_s
             if self.head_s >= keepalive_s:
                 return self._timed_out(f"the request head was not sent whole within {keepalive_s:g} s")
         else:
             self.head_s = 0.0
+        # ``seen`` stays set while requests wait (the early return above), so the idle time counts from the
+        # sweep after the last answer: a full interval of idle time is one with no byte in or out.
         if self.seen:
             self.seen = False
             self.idle_s = 0.0
         else:
             self.idle_s += interval_s
         if self.idle_s >= keepalive_s:
-            if state is READING and (self._current is not None or self._raw):
+            if begun:
                 return self._timed_out(f"the request was not sent whole within {keepalive_s:g} s")
+            self._end()
+        elif draining and self.idle_s >= interval_s and state is READING and not begun:
             self._end()
 
     def _timed_out(self, message: str) -> None:
@@ -388,33 +399,62 @@ class FastHttpProtocol(asyncio.Protocol):
 
 
 class FastConnections:
-    """A worker's fast-path connections, swept every SWEEP_INTERVAL_S: idle keep-alive connections close
-    after gunicorn's ``--keep-alive`` seconds (a stopping worker's graceful shutdown waits for them), and the
-    Date header is refreshed. Past ``--worker-connections`` open ones, a new connection is a BusyConnection
-    (fast_busy.py): its request is answered 503."""
+    """A worker's connections, swept every SWEEP_INTERVAL_S: idle keep-alive connections close after gunicorn's
+    ``--keep-alive`` seconds, or at once when the worker stops (``drain``), and the Date header is refreshed.
+    Past ``--worker-connections`` open ones, a new connection is a BusyConnection (fast_busy.py): its request
+    is answered 503."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
         self.open: set[FastHttpProtocol] = set()
+        # Connections given to gunicorn's ASGI protocol (the falcon app's): only a stopping worker looks at them.
+        # Weak: gunicorn's protocol says nothing to us when its connection ends.
+        self.handed_over: weakref.WeakSet[asyncio.Protocol] = weakref.WeakSet()
+        # BusyConnections open: counted in the worker's connections, not against the limit
+        self.busy: set[BusyConnection] = set()
         self.parser_limits = gunicorn_internals.parser_limits(worker)  # gunicorn's request limits
         self.max_connections = gunicorn_internals.max_connections(worker)
-        self.busy = 0  # BusyConnections open: counted in the worker's connections, not against the limit
         self.refused = 0  # requests answered 503 for the limit
         self._refused_logged = 0
         KeepAliveHeader.set(gunicorn_internals.advertised_keepalive_s(worker))
 
     def full(self) -> bool:
         """Whether a connection accepted now is one too many (the falcon path's connections count too)."""
-        return gunicorn_internals.open_connections(self.worker) - self.busy >= self.max_connections
+        return gunicorn_internals.open_connections(self.worker) - len(self.busy) >= self.max_connections
 
     async def sweep(self) -> None:
         keepalive_s = gunicorn_internals.keepalive_s(self.worker)
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             DateHeader.refresh()
+            draining = gunicorn_internals.stopped_accepting(self.worker)
             for conn in list(self.open):
-                conn.sweep(SWEEP_INTERVAL_S, keepalive_s)
+                conn.sweep(SWEEP_INTERVAL_S, keepalive_s, draining)
+            if draining:
+                self.drain()
             if self.refused > self._refused_logged:  # one line per sweep, not one per refused connection
                 log.warning("%d requests answered 503: this worker holds %d connections ([frontends] max_connections)",
                             self.refused - self._refused_logged, self.max_connections)  # fmt: skip
                 self._refused_logged = self.refused
+
+    def drain(self) -> None:
+        """The worker has stopped accepting (its graceful shutdown waits for every open connection): close the
+        connections of the falcon app and the refused ones that have no request in progress, as FastHttpProtocol's
+        sweep closes its own, instead of leaving each to its ``--keep-alive`` time.
+
+        As uvicorn (``Server.shutdown`` closes its listeners, then ``connection.shutdown()`` closes every
+        connection with no request cycle in progress, and marks the rest keep_alive=False) and nginx (idle
+        keep-alive connections close when a worker quits gracefully). HTTP/1.1 lets a server close an idle
+        connection at any time (RFC 9112 9.3.1, 9.6). What remains is the race of a client that sends on the
+        connection as it closes: that request meets a closed socket and its client must retry (the openai and
+        httpx clients retry on connection errors; httpx also finds a pooled connection closed before reusing
+        it). Two things narrow it: only connections idle for a whole sweep interval (no byte in or out, nothing
+        begun) are closed, so a client reusing its connection at once is answered with ``Connection: close``
+        instead; and only once the listeners are closed, so nothing new arrives on this worker meanwhile.
+        (gunicorn's own gthread worker, for the same race, keeps a stopping worker's idle connections open 2 s
+        at most, STOP_KEEPALIVE_LINGER; uvicorn closes them at once.)"""
+        now_s = self.worker.loop.time()
+        for protocol in list(self.handed_over):
+            gunicorn_internals.close_if_idle(protocol, now_s, SWEEP_INTERVAL_S)
+        for conn in list(self.busy):
+            conn.drain(now_s, SWEEP_INTERVAL_S)

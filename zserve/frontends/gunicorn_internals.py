@@ -1,6 +1,7 @@
 """Every part of gunicorn the fast HTTP path uses beyond its documented settings and server hooks, in one place:
 gunicorn's ``asgi`` worker class and two of its private methods, the module-level name it builds each
-connection's protocol with, its ASGI protocol (for the handover), and fields of its worker objects.
+connection's protocol with, its ASGI protocol (for the handover, and its idle state and idle close for a
+stopping worker), and fields of its worker objects.
 
 gunicorn documents none of these: a release may move them. ``problems`` lists what the installed gunicorn lacks,
 each named with the attribute and gunicorn's version; a worker refuses to start on any (``require``), and
@@ -35,6 +36,7 @@ WORKER_FIELDS = {
     "nr": "requests answered, for --max-requests",
     "max_requests": "--max-requests with its jitter (sys.maxsize when off)",
     "alive": "False once the worker stops: answers then close their connection",
+    "servers": "its listeners (asyncio servers): closed when it stops accepting, before its graceful shutdown",
 }
 # Settings read off ``worker.cfg`` (documented settings, read here so that one place names them).
 CONFIG_FIELDS = (
@@ -47,6 +49,15 @@ CONFIG_FIELDS = (
 # The ASGI protocol's side of a handover (asyncio.Protocol's methods, as gunicorn implements them).
 PROTOCOL_METHODS = ("connection_made", "data_received", "pause_writing", "resume_writing", "connection_lost")
 _PROTOCOL_NAME = "ASGIProtocol"  # gasgi's module-level name for it, looked up per connection
+# The ASGI protocol's private state a stopping worker reads to close an idle handed-over connection, set in its
+# __init__ (see close_if_idle), and the method gunicorn closes an idle connection with when --keep-alive expires.
+PROTOCOL_FIELDS = {
+    "worker": "the worker it serves (its loop and settings)",
+    "_awaiting_request": "True while it waits for the next request's head",
+    "_keepalive_handle": "the idle timer: armed while no request and no application call is in progress",
+    "_closed": "True once it is closing",
+}
+PROTOCOL_IDLE_CLOSE = "_keepalive_timeout"
 
 
 class AsgiWorker(gasgi.ASGIWorker):
@@ -90,10 +101,11 @@ def install_protocol_factory(worker_class: type, factory: Callable[[Any], asynci
     setattr(gasgi, _PROTOCOL_NAME, protocol_for)
 
 
-def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_paused: bool) -> asyncio.Protocol:
+def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_paused: bool) -> ASGIProtocol:
     """Give a connection, with the bytes read and not answered yet, to gunicorn's ASGI protocol; the caller has
     stopped counting it (``connection_closed``), and the protocol counts it again."""
     protocol = ASGIProtocol(worker)
+    _note_reads(protocol)  # before set_protocol: uvloop's transports look data_received up there, once
     transport.set_protocol(protocol)
     protocol.connection_made(transport)
     if writing_paused:
@@ -101,6 +113,46 @@ def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_pau
     if raw:
         protocol.data_received(raw)
     return protocol
+
+
+def _note_reads(protocol: ASGIProtocol) -> None:
+    """Have ``protocol`` note when it last read (``read_at_s``): bytes read since its connection went idle are a
+    request head begun (gunicorn's C parser does not say so), which a stopping worker must not close under. On the
+    instance: a subclass would not do, as gunicorn caches which parser it may use on the class it asks."""
+    received = protocol.data_received
+    loop = protocol.worker.loop
+
+    def data_received(data: bytes) -> None:
+        protocol.read_at_s = loop.time()
+        received(data)
+
+    protocol.read_at_s = 0.0
+    protocol.data_received = data_received
+
+
+def close_if_idle(protocol: ASGIProtocol, now_s: float, min_idle_s: float) -> bool:
+    """Close a handed-over connection that has had no request in progress for ``min_idle_s`` (see
+    ``FastConnections.drain``), the way gunicorn closes it when ``--keep-alive`` expires; whether it did.
+
+    Idle is gunicorn's own word for it: its idle timer is armed only while the protocol waits for a request and no
+    application call runs (a response still being sent, a body still being read, keep it disarmed). The timer was
+    armed ``--keep-alive`` seconds before it fires, when the connection went idle; a read since then is a head
+    begun, and that request is served (its answer says ``Connection: close``, the worker no longer being alive)."""
+    timer = protocol._keepalive_handle
+    if protocol._closed or not protocol._awaiting_request or timer is None:
+        return False
+    idle_since_s = timer.when() - keepalive_s(protocol.worker)
+    if protocol.read_at_s > idle_since_s or now_s - idle_since_s < min_idle_s:
+        return False
+    protocol._keepalive_timeout()  # PROTOCOL_IDLE_CLOSE
+    return True
+
+
+def stopped_accepting(worker: Any) -> bool:
+    """Whether the worker has closed its listeners (its graceful shutdown has begun: gunicorn closes them first,
+    then waits for the open connections)."""
+    servers = worker.servers
+    return bool(servers) and not any(server.is_serving() for server in servers)
 
 
 def connection_opened(worker: Any) -> None:
@@ -174,6 +226,14 @@ def class_problems() -> list[str]:
         found.append(f"gunicorn.asgi.protocol.ASGIProtocol(worker): its parameters are now {params}")
     found += [
         f"gunicorn.asgi.protocol.ASGIProtocol.{name}" for name in PROTOCOL_METHODS if not hasattr(ASGIProtocol, name)
+    ]
+    if not callable(getattr(ASGIProtocol, PROTOCOL_IDLE_CLOSE, None)):
+        found.append(f"gunicorn.asgi.protocol.ASGIProtocol.{PROTOCOL_IDLE_CLOSE} (how it closes an idle connection)")
+    stored = _names_looked_up(ASGIProtocol.__init__.__code__)
+    found += [
+        f"gunicorn.asgi.protocol.ASGIProtocol().{name}: {why}"
+        for name, why in PROTOCOL_FIELDS.items()
+        if name not in stored
     ]
     return [f"gunicorn {VERSION}: {p}" for p in found]
 

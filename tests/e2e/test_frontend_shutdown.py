@@ -1,0 +1,187 @@
+"""A frontend worker told to stop (SIGTERM to ``zserve up``) closes its idle keep-alive connections at once, on
+the fast path and on the falcon app's path alike, instead of leaving each open until its keep-alive time, and a
+request in flight when the stop begins still gets its one whole answer, with ``Connection: close``
+(zserve/frontends/fast_http.py, ``FastConnections.drain``). Real gunicorn, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from deployment import Deployment, free_port, write_config
+
+KEEP_ALIVE_S = 20  # [frontends] keep_alive_s: long, so that waiting for it out is told apart from a prompt close
+
+CONFIG = """
+[frontends]
+workers = 1
+port = {port}
+keep_alive_s = {keep_alive_s}
+
+[[models]]
+name = "echo"
+handler = "testmodels:SlowEcho"
+[models.options]
+delay_s = 0.0
+
+[[models]]
+name = "gate"
+handler = "shutdown_gate:Gate"
+engines = 2  # one request each (credits 1, batches of 1): both are computing when the stop begins
+credits = 1
+max_batch_size = 1
+[models.options]
+folder = "{folder}"
+"""
+
+# The engine imports it by name, from the test's folder (put on its PYTHONPATH).
+GATE = '''
+import time
+from pathlib import Path
+
+from zserve import Model
+
+
+class Gate(Model):
+    """Echo of ``{"i": N}`` items that says when it computes one (the file ``started-N``) and holds its batch
+    until the file ``release`` exists."""
+
+    def __init__(self, folder: str = "") -> None:
+        super().__init__(folder=folder)
+        self.folder = Path(folder)
+
+    def predict(self, batch):
+        for item in batch:
+            (self.folder / f"started-{item['i']}").touch()
+        while not (self.folder / "release").exists():
+            time.sleep(0.01)
+        return [{"echo": item} for item in batch]
+'''
+
+
+class Conn:
+    """One client connection that reads responses one at a time, by their Content-Length."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        host, port = deployment.url.removeprefix("http://").rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)  # past the keep-alive: a hang fails
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed before a response: {self.buf!r}"
+            self.buf += chunk
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers.get("content-length", 0))
+        while len(self.buf) < length:
+            chunk = self.sock.recv(65536)
+            assert chunk, "connection closed inside a body"
+            self.buf += chunk
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return int(lines[0].split()[1]), headers, body
+
+    def closed_by_server(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def predict(model: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/models/%s/predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%s\r\n%s" % (model.encode(), len(body), extra, body)
+    )
+
+
+GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+def start(tmp_path: Path, monkeypatch) -> Deployment:
+    (tmp_path / "shutdown_gate.py").write_text(GATE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    toml = CONFIG.format(port=free_port(), keep_alive_s=KEEP_ALIVE_S, folder=tmp_path)
+    return Deployment(write_config(tmp_path, toml)).wait_ready()
+
+
+def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} was not written in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_idle_keep_alive_connections_close_at_once_when_the_frontend_stops(tmp_path, monkeypatch):
+    d = start(tmp_path, monkeypatch)
+    conns = []
+    try:
+        fast, app, silent = Conn(d), Conn(d), Conn(d)  # silent: connected, and never sends
+        conns += [fast, app, silent]
+        fast.send(predict("echo", b'{"i": 1}'))
+        status, headers, _ = fast.response()
+        assert (status, headers["server"]) == (200, "zserve") and headers.get("connection") != "close"
+        app.send(GET_MODELS)  # this connection is the falcon app's from now on
+        status, headers, _ = app.response()
+        assert (status, headers["server"]) == (200, "gunicorn/asgi") and headers.get("connection") != "close"
+
+        started = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        for conn in conns:  # EOF (or a reset), not a hang: a socket timeout (30 s) would fail the test
+            assert conn.closed_by_server()
+        closed_s = time.monotonic() - started
+        assert d.proc.wait(timeout=60) == 0, d.output
+        stopped_s = time.monotonic() - started
+    finally:
+        for conn in conns:
+            conn.close()
+        d.stop()
+    # Before, each waited out gunicorn's --keep-alive (keep_alive_s + 1 = 21 s), and the stop with it.
+    assert closed_s < KEEP_ALIVE_S / 4, f"idle connections closed {closed_s:.1f} s after the stop began"
+    assert stopped_s < KEEP_ALIVE_S / 2, f"the deployment stopped in {stopped_s:.1f} s\n{d.output}"
+
+
+def test_a_request_in_flight_when_the_stop_begins_gets_its_whole_answer(tmp_path, monkeypatch):
+    d = start(tmp_path, monkeypatch)
+    conns = []
+    try:
+        fast, app, idle = Conn(d), Conn(d), Conn(d)
+        conns += [fast, app, idle]
+        fast.send(predict("gate", b'{"i": 1}'))
+        app.send(predict("gate", b'{"i": 2}', b"X-Zserve-Priority: 0\r\n"))  # the priority header: the falcon route
+        for i in (1, 2):  # both requests are computing
+            wait_for_file(tmp_path / f"started-{i}")
+        idle.send(predict("echo", b'{"i": 3}'))
+        assert idle.response()[0] == 200
+
+        after = len(d.lines)
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait_for_line("Worker shutting down", after=after)  # gunicorn's worker has closed its listener
+        shutting_down = time.monotonic()
+        assert idle.closed_by_server()  # closed while the worker still waits for the requests in flight
+        closed_s = time.monotonic() - shutting_down
+        assert closed_s < KEEP_ALIVE_S / 4, f"the idle connection closed {closed_s:.1f} s into the shutdown"
+        (tmp_path / "release").touch()
+        for conn, server, i in ((fast, "zserve", 1), (app, "gunicorn/asgi", 2)):
+            status, headers, body = conn.response()
+            assert (status, headers["server"], headers.get("connection")) == (200, server, "close"), headers
+            assert json.loads(body)["echo"] == {"i": i}
+            assert conn.buf == b"" and conn.closed_by_server()  # one answer, then the end of the connection
+        assert d.proc.wait(timeout=60) == 0, d.output
+    finally:
+        (tmp_path / "release").touch()
+        for conn in conns:
+            conn.close()
+        d.stop()
