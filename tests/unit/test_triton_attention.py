@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 
-@pytest.mark.timeout(900)  # about 100 s on 2 idle cores; interpreted, every program runs in Python
+@pytest.mark.timeout(900)  # interpreted, every program runs in Python: ~30 s on 2 shared cores, ~40 s in full
 def test_the_kernel_and_the_engine_through_it_under_triton_s_interpreter():
     env = os.environ | {"TRITON_INTERPRET": "1", "ZSERVE_TRITON_ATTENTION": "interpret"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=850)
@@ -156,6 +156,10 @@ if __name__ == "__main__":
     triton_attention.SPLITS = 4
 
     assert triton_attention.usable(torch.device("cpu")), "the interpreter mode is not on"
-    _check_kernel()
+    _check_kernel()  # splits of 1, 3 and SPLITS (4)
+    if os.environ.get("ZSERVE_SLOW") != "1":
+        # CI's short run: the engine's decodes split in 2 (still split and combined), half the programs to
+        # interpret (each costs the interpreter's set-up whatever its range): about half this check's time
+        triton_attention.SPLITS = 2
     _check_engine()
     _check_graph_fallbacks()
