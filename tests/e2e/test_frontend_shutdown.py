@@ -154,30 +154,40 @@ def test_idle_keep_alive_connections_close_at_once_when_the_frontend_stops(tmp_p
 
 
 def test_a_request_in_flight_when_the_stop_begins_gets_its_whole_answer(tmp_path, monkeypatch):
+    """Requests computing, and requests whose head is half sent, when the stop begins: each is answered once, with
+    Connection: close, on either path, while the idle connections beside them close at once."""
     d = start(tmp_path, monkeypatch)
     conns = []
     try:
-        fast, app, idle = Conn(d), Conn(d), Conn(d)
-        conns += [fast, app, idle]
+        fast, app, idle, idle_app, half, half_app = conns = [Conn(d) for _ in range(6)]
         fast.send(predict("gate", b'{"i": 1}'))
         app.send(predict("gate", b'{"i": 2}', b"X-Zserve-Priority: 0\r\n"))  # the priority header: the falcon route
         for i in (1, 2):  # both requests are computing
             wait_for_file(tmp_path / f"started-{i}")
-        idle.send(predict("echo", b'{"i": 3}'))
-        assert idle.response()[0] == 200
+        for conn, request in ((idle, predict("echo", b'{"i": 3}')), (idle_app, GET_MODELS), (half_app, GET_MODELS)):
+            conn.send(request)
+            assert conn.response()[0] == 200
+        echo = predict("echo", b'{"i": 4}')
+        half.send(echo[:30])  # a head begun on each path
+        half_app.send(GET_MODELS[:20])
 
         after = len(d.lines)
         d.proc.send_signal(signal.SIGTERM)
         d.wait_for_line("Worker shutting down", after=after)  # gunicorn's worker has closed its listener
         shutting_down = time.monotonic()
-        assert idle.closed_by_server()  # closed while the worker still waits for the requests in flight
+        for conn in (idle, idle_app):  # closed while the worker still waits for the requests in progress
+            assert conn.closed_by_server()
         closed_s = time.monotonic() - shutting_down
-        assert closed_s < KEEP_ALIVE_S / 4, f"the idle connection closed {closed_s:.1f} s into the shutdown"
+        assert closed_s < KEEP_ALIVE_S / 4, f"the idle connections closed {closed_s:.1f} s into the shutdown"
+        half.send(echo[30:])
+        half_app.send(GET_MODELS[20:])
         (tmp_path / "release").touch()
-        for conn, server, i in ((fast, "zserve", 1), (app, "gunicorn/asgi", 2)):
+        answers = [(fast, "zserve", {"i": 1}), (app, "gunicorn/asgi", {"i": 2}), (half, "zserve", {"i": 4}),
+                   (half_app, "gunicorn/asgi", None)]  # fmt: skip
+        for conn, server, item in answers:
             status, headers, body = conn.response()
             assert (status, headers["server"], headers.get("connection")) == (200, server, "close"), headers
-            assert json.loads(body)["echo"] == {"i": i}
+            assert item is None or json.loads(body)["echo"] == item
             assert conn.buf == b"" and conn.closed_by_server()  # one answer, then the end of the connection
         assert d.proc.wait(timeout=60) == 0, d.output
     finally:

@@ -50,14 +50,18 @@ CONFIG_FIELDS = (
 PROTOCOL_METHODS = ("connection_made", "data_received", "pause_writing", "resume_writing", "connection_lost")
 _PROTOCOL_NAME = "ASGIProtocol"  # gasgi's module-level name for it, looked up per connection
 # The ASGI protocol's private state a stopping worker reads to close an idle handed-over connection, set in its
-# __init__ (see close_if_idle), and the method gunicorn closes an idle connection with when --keep-alive expires.
+# __init__ (see close_if_idle), and its private methods _note_reads wraps and close_if_idle calls.
 PROTOCOL_FIELDS = {
     "worker": "the worker it serves (its loop and settings)",
     "_awaiting_request": "True while it waits for the next request's head",
     "_keepalive_handle": "the idle timer: armed while no request and no application call is in progress",
     "_closed": "True once it is closing",
 }
-PROTOCOL_IDLE_CLOSE = "_keepalive_timeout"
+PROTOCOL_PRIVATE_METHODS = {
+    "_on_message_complete": "the parser's callback at the end of a request (looked up when the parser is built)",
+    "_arm_keepalive_timer": "called when the connection goes idle",
+    "_keepalive_timeout": "how it closes an idle connection when --keep-alive expires",
+}
 
 
 class AsgiWorker(gasgi.ASGIWorker):
@@ -116,18 +120,43 @@ def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_pau
 
 
 def _note_reads(protocol: ASGIProtocol) -> None:
-    """Have ``protocol`` note when it last read (``read_at_s``): bytes read since its connection went idle are a
-    request head begun (gunicorn's C parser does not say so), which a stopping worker must not close under. On the
-    instance: a subclass would not do, as gunicorn caches which parser it may use on the class it asks."""
+    """Have ``protocol`` count its reads, and note when it goes idle and whether a read came after its last request
+    ended: that is a request head begun (gunicorn's C parser does not say so, and a whole one would not leave the
+    protocol idle), which a stopping worker must not close under.
+
+    On the instance, before the parser is built (connection_made) and before the transport takes the protocol
+    (uvloop's look data_received up once): a subclass would not do, as gunicorn caches which parser it may use on
+    the class it asks. Should gunicorn stop calling a wrapped method through the instance, the connection is never
+    taken for idle (``idle_reads`` stays -1, or a read is always counted after the last request's end): a
+    stopping worker then waits for it as before, never closes it under a request."""
     received = protocol.data_received
+    message_complete = protocol._on_message_complete
+    arm_idle_timer = protocol._arm_keepalive_timer
     loop = protocol.worker.loop
+    protocol.reads = 0
+    protocol.reads_at_message_end = 0
+    protocol.idle_reads = -1  # reads when it went idle with nothing begun; -1: not idle since its first request
+    protocol.idle_since_s = 0.0
 
     def data_received(data: bytes) -> None:
-        protocol.read_at_s = loop.time()
+        protocol.reads += 1
         received(data)
 
-    protocol.read_at_s = 0.0
+    def on_message_complete() -> None:
+        protocol.reads_at_message_end = protocol.reads
+        message_complete()
+
+    def arm_keepalive_timer() -> None:
+        # A read since the last request ended began the next one: it stays begun (reads != idle_reads). The one
+        # case not seen: the next head's first bytes in the same read as the last request's end (a pipelining
+        # client that then stalls mid-head).
+        protocol.idle_reads = protocol.reads_at_message_end
+        protocol.idle_since_s = loop.time()
+        arm_idle_timer()
+
     protocol.data_received = data_received
+    protocol._on_message_complete = on_message_complete
+    protocol._arm_keepalive_timer = arm_keepalive_timer
 
 
 def close_if_idle(protocol: ASGIProtocol, now_s: float, min_idle_s: float) -> bool:
@@ -135,16 +164,14 @@ def close_if_idle(protocol: ASGIProtocol, now_s: float, min_idle_s: float) -> bo
     ``FastConnections.drain``), the way gunicorn closes it when ``--keep-alive`` expires; whether it did.
 
     Idle is gunicorn's own word for it: its idle timer is armed only while the protocol waits for a request and no
-    application call runs (a response still being sent, a body still being read, keep it disarmed). The timer was
-    armed ``--keep-alive`` seconds before it fires, when the connection went idle; a read since then is a head
-    begun, and that request is served (its answer says ``Connection: close``, the worker no longer being alive)."""
-    timer = protocol._keepalive_handle
-    if protocol._closed or not protocol._awaiting_request or timer is None:
+    application call runs (a response still being sent, a body still being read, keep it disarmed). A head begun
+    (``_note_reads``) keeps the connection: that request is served, and its answer says ``Connection: close``, the
+    worker no longer being alive."""
+    if protocol._closed or not protocol._awaiting_request or protocol._keepalive_handle is None:
         return False
-    idle_since_s = timer.when() - keepalive_s(protocol.worker)
-    if protocol.read_at_s > idle_since_s or now_s - idle_since_s < min_idle_s:
+    if protocol.reads != protocol.idle_reads or now_s - protocol.idle_since_s < min_idle_s:
         return False
-    protocol._keepalive_timeout()  # PROTOCOL_IDLE_CLOSE
+    protocol._keepalive_timeout()
     return True
 
 
@@ -227,8 +254,11 @@ def class_problems() -> list[str]:
     found += [
         f"gunicorn.asgi.protocol.ASGIProtocol.{name}" for name in PROTOCOL_METHODS if not hasattr(ASGIProtocol, name)
     ]
-    if not callable(getattr(ASGIProtocol, PROTOCOL_IDLE_CLOSE, None)):
-        found.append(f"gunicorn.asgi.protocol.ASGIProtocol.{PROTOCOL_IDLE_CLOSE} (how it closes an idle connection)")
+    found += [
+        f"gunicorn.asgi.protocol.ASGIProtocol.{name}: {why}"
+        for name, why in PROTOCOL_PRIVATE_METHODS.items()
+        if not callable(getattr(ASGIProtocol, name, None))
+    ]
     stored = _names_looked_up(ASGIProtocol.__init__.__code__)
     found += [
         f"gunicorn.asgi.protocol.ASGIProtocol().{name}: {why}"
