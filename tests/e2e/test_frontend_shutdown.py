@@ -148,7 +148,8 @@ def test_idle_keep_alive_connections_close_at_once_when_the_frontend_stops(tmp_p
         for conn in conns:
             conn.close()
         d.stop()
-    # Before, each waited out gunicorn's --keep-alive (keep_alive_s + 1 = 21 s), and the stop with it.
+    # Before, the worker waited out its connections' --keep-alive (keep_alive_s + 1 = 21 s here) up to
+    # graceful_timeout_s (10 s), and the stop with it.
     assert closed_s < KEEP_ALIVE_S / 4, f"idle connections closed {closed_s:.1f} s after the stop began"
     assert stopped_s < KEEP_ALIVE_S / 2, f"the deployment stopped in {stopped_s:.1f} s\n{d.output}"
 
