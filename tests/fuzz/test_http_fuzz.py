@@ -1,6 +1,6 @@
-"""Fuzzed HTTP bodies against a live deployment (``zserve up``, gunicorn): every route (native predict,
-/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/rerank, /v2/rerank, /v1/score, /mii/...)
-answers anything a client can send with a 2xx or a 4xx whose body is a JSON error in the route's shape,
+"""Fuzzed HTTP bodies against a live deployment (``zserve up``, gunicorn; conftest.py's, with an API key): every
+route (native predict, /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/rerank, /v2/rerank, /v1/score,
+/mii/...) answers anything a client can send with a 2xx or a 4xx whose body is a JSON error in the route's shape,
 never a 5xx, and keeps serving."""
 
 from __future__ import annotations
@@ -9,45 +9,12 @@ import http.client
 import json
 
 import pytest
-from deployment import Deployment, free_port, write_config
+from deployment import Deployment
 from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
-from tinylm import build_tiny_lm
 
-CONFIG = """
-[frontends]
-workers = 1
-port = {port}
-max_body_bytes = 65536
-
-[[models]]
-name = "echo"
-handler = "zserve.models.echo:Echo"
-
-[[models]]
-name = "tiny"
-handler = "zserve.models.causal_lm:CausalLM"
-timeout_ms = 60000
-[models.options]
-path = "{lm}"
-block_size = 8
-num_blocks = 128
-max_running = 4
-max_new_tokens = 8
-
-[[models]]
-name = "minilm"
-handler = "zserve.models.embedding:SentenceEmbedding"
-preprocess_workers = 1
-
-[[models]]
-name = "rerank"
-handler = "zserve.models.rerank:CrossEncoderRerank"
-max_batch_cost = 2048
-[models.options]
-path = "{reranker}"
-"""
+from .conftest import AUTH
 
 # routes whose errors come in OpenAI's shape ({"error": {"message", "type", "param", "code"}})
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score")
@@ -56,23 +23,17 @@ counted: dict[str, int] = {}
 served: dict[str, int] = {}  # of those, answered 2xx (the strategies reach the models, not only the validation)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_cross_encoder):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    lm = build_tiny_lm(tmp / "tinylm")
-    config = CONFIG.format(port=free_port(), lm=lm, reranker=tiny_cross_encoder)
-    d = Deployment(write_config(tmp, config)).wait_ready()
-    yield d
-    assert d.request("GET", "/readyz")[0] == 200  # still serving after everything below
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
     print("\nHTTP fuzz cases per test:", counted, "\nof those 2xx:", served)
-    assert d.stop() == 0, d.output
 
 
 def post(d: Deployment, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, str, bytes]:
     host, port = d.url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": content_type})
+        conn.request("POST", path, body=body, headers={**AUTH, "Content-Type": content_type})
         resp = conn.getresponse()
         return resp.status, resp.getheader("Content-Type", ""), resp.read()
     finally:

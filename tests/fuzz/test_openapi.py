@@ -1,6 +1,7 @@
-"""/openapi.json against a live deployment (an echo, an embedding, a rerank and a generative model, API keys with
-`auth_health`): it validates as OpenAPI 3.1, covers every route, and a bounded schemathesis run finds
-no 5xx and no answer outside the documented status codes, content types and schemas."""
+"""/openapi.json against a live deployment (conftest.py's, shared with test_http_fuzz.py: an echo, an embedding, a
+rerank and a generative model, API keys with `auth_health`): it validates as OpenAPI 3.1, covers every route, and a
+bounded schemathesis run finds no 5xx and no answer outside the documented status codes, content types and
+schemas."""
 
 from __future__ import annotations
 
@@ -9,65 +10,17 @@ import os
 import subprocess
 import sys
 
-import pytest
-from deployment import Deployment, free_port, write_config
 from openapi_spec_validator import validate
-from tinylm import build_tiny_lm
 
-KEY = "zs-openapi-test-key"
+from .conftest import AUTH, KEY
+
 # schemathesis's whole-run budget: its examples and coverage phases run in full, then fuzzing repeats until it
 # is spent, so CI's short budget fuzzes less and skips nothing
 FUZZ_S = "120" if os.environ.get("ZSERVE_SLOW") == "1" else "15"
 
-CONFIG = """
-[frontends]
-workers = 1
-port = {port}
-auth_health = true
-
-[[models]]
-name = "echo"
-handler = "zserve.models.echo:Echo"
-
-[[models]]
-name = "minilm"
-handler = "zserve.models.embedding:SentenceEmbedding"
-credits = 1
-preprocess_workers = 1
-
-[[models]]
-name = "rerank"
-handler = "zserve.models.rerank:CrossEncoderRerank"
-max_batch_cost = 4096
-preprocess_workers = 1
-[models.options]
-path = "{reranker}"
-
-[[models]]
-name = "tiny"
-handler = "zserve.models.causal_lm:CausalLM"
-[models.options]
-path = "{lm_path}"
-block_size = 8
-num_blocks = 256
-max_running = 8
-max_new_tokens = 8
-"""
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_cross_encoder):
-    tmp = tmp_path_factory.mktemp("openapi")
-    lm_path = build_tiny_lm(tmp / "tinylm")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("ZSERVE_API_KEYS", KEY)
-        d = Deployment(write_config(tmp, CONFIG.format(port=free_port(), lm_path=lm_path, reranker=tiny_cross_encoder)))
-    yield d.wait_ready()  # the supervisor's /readyz polls pass with auth_health on
-    assert d.stop() == 0, d.output
-
 
 def _auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    return dict(AUTH)
 
 
 def test_the_document_is_openapi_3_1_and_covers_every_route(deployment):
