@@ -27,7 +27,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW = os.environ.get("ZSERVE_SLOW") == "1"
-IMAGE_ROOTS = ("torch", "triton", "transformers", "sentence-transformers", "numpy")
+# pip too: the image has one (device_run.sh installs the wheels with it), linked like the rest rather than put in
+# by the venv's ensurepip (3 s on 2 shared cores)
+IMAGE_ROOTS = ("torch", "triton", "transformers", "sentence-transformers", "numpy", "pip")
 ABSENT = {"pyzmq", "msgspec"}  # what the image lacks, carried as wheels
 # ZSERVE_SLOW=1: the image's own versions of the model libraries over the linked ones (from the registry; what
 # transformers 5.17 needs beside them, which 5.24 no longer does: huggingface-hub 1.x, httpx)
@@ -58,7 +60,7 @@ def image_distributions() -> list[metadata.Distribution]:
 
 def image_venv(root: Path) -> Path:
     """A virtualenv (no system site) whose only packages are ``image_distributions``, linked in; its python."""
-    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
     links = root / "image-site"
     links.mkdir()
     for dist in image_distributions():
@@ -102,6 +104,10 @@ def test_the_device_script_runs_in_a_stand_in_for_the_gpu_image(tmp_path):
                          timeout=1700 if SLOW else 280)  # fmt: skip
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
+    # installed by the image's pip (pip writes INSTALLER), not by the script's unzip fallback
+    assert {p.name: (p / "INSTALLER").is_file() for p in (tmp_path / "site").glob("*.dist-info")} == {
+        f"{name}.dist-info": True for name in ("msgspec-0.23.0", "pyzmq-27.3.0")
+    }, log[-4000:]
     versions = json.loads((out / "versions.json").read_text())
     assert versions["zserve_imports"] == "ok" and "missing" not in versions["msgspec"] + versions["zmq"], versions
     if SLOW:
