@@ -32,7 +32,7 @@ test: install lint
 
 # The tests that touch the model libraries (sentence-transformers stacks, rerank and classification, generation
 # against HF generate, GGUF loading (the conversion, and the config and tokenizer read from a GGUF's metadata),
-# structured output, the default deployment end to end), run again at both ends
+# structured output, the default deployment end to end, and the fast HTTP path on gunicorn's floor), run again at both ends
 # of pyproject.toml's ranges, each in a virtualenv of its own built afresh (.ci/range_leg; `.ci/run` runs both):
 # `make test-newest` with the newest releases the ranges admit, `make test-floors` with the model libraries at
 # their floors (.ci/floors.py). torch stays 2.13's CPU wheel in both. The first line of each names its versions.
@@ -44,7 +44,8 @@ MODEL_LIBRARY_TESTS := \
 	tests/integration/test_gguf_load.py \
 	tests/unit/test_structured_output.py \
 	tests/unit/test_versions.py \
-	tests/e2e/test_default_deployment.py
+	tests/e2e/test_default_deployment.py \
+	tests/e2e/test_fast_http.py
 
 test-newest:
 	.ci/range_leg newest .venv-newest $(MODEL_LIBRARY_TESTS)

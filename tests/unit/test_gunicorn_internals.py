@@ -15,6 +15,7 @@ from zserve.frontends.fast_worker import FastPathWorker
 
 def test_the_installed_gunicorn_has_every_internal_the_fast_path_uses():
     assert gi.class_problems() == []
+    assert gi.idle_close_problems() == [] and gi.IDLE_CLOSE  # the tested gunicorn closes idle connections at a stop
     cfg = Config()
     worker = FastPathWorker(1, os.getppid(), [], None, 30, cfg, Logger(cfg))
     worker.loop = None  # set by init_process
@@ -30,3 +31,20 @@ def test_a_moved_internal_is_named_with_the_version(monkeypatch):
     [problem] = gi.class_problems()
     assert f"gunicorn {gi.VERSION}" in problem and "ASGIProtocol" in problem
     assert f"gunicorn {gi.VERSION}: worker.nr_conns" in "\n".join(gi.worker_problems(object()))
+
+
+def test_a_gunicorn_without_the_idle_close_internals_still_serves_and_leaves_the_protocol_alone(monkeypatch):
+    """gunicorn 25 and 26 (which pyproject.toml admits) lack some of what close_if_idle uses: the worker serves
+    there, and a stopping one leaves idle falcon-path connections to their keep-alive, as before."""
+    monkeypatch.delattr(gi.ASGIProtocol, "_arm_keepalive_timer")
+    [problem] = gi.idle_close_problems()
+    assert f"gunicorn {gi.VERSION}" in problem and "_arm_keepalive_timer" in problem
+    assert gi.class_problems() == []  # not a reason to refuse to start
+    monkeypatch.setattr(gi, "IDLE_CLOSE", False)
+
+    class Protocol:  # what close_if_idle would look at: it must not, nor wrap anything
+        data_received = _on_message_complete = _arm_keepalive_timer = None
+
+    protocol = Protocol()
+    gi._note_reads(protocol)
+    assert not hasattr(protocol, "reads") and gi.close_if_idle(protocol, 1e9, 0.0) is False

@@ -7,7 +7,9 @@ gunicorn documents none of these: a release may move them. ``problems`` lists wh
 each named with the attribute and gunicorn's version; a worker refuses to start on any (``require``), and
 tests/unit/test_gunicorn_internals.py fails on them, so an upgrade breaks loudly there and not silently in
 production (a patched name nobody looks up any more would leave every request on the slow path). pyproject.toml
-bounds gunicorn below its next major release.
+bounds gunicorn below its next major release. What only the prompt close of idle falcon-path connections at a stop
+uses is listed apart (``idle_close_problems``): without it a worker serves, and such connections wait out their
+keep-alive at a stop (gunicorn 27.0.0, the floor, lacks one).
 
 The per-request fields (``nr``, ``max_requests``, ``alive``, see WORKER_FIELDS) are read and written inline by
 ``fast_http.py`` and ``fast_answers.py``: a function call here per request would cost more than the write.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Callable, Coroutine
 from types import CodeType
 from typing import Any
@@ -24,6 +27,8 @@ from typing import Any
 import gunicorn
 from gunicorn.asgi.protocol import ASGIProtocol
 from gunicorn.workers import gasgi
+
+log = logging.getLogger("zserve.frontend")
 
 VERSION = gunicorn.__version__
 
@@ -129,6 +134,8 @@ def _note_reads(protocol: ASGIProtocol) -> None:
     the class it asks. Should gunicorn stop calling a wrapped method through the instance, the connection is never
     taken for idle (``idle_reads`` stays -1, or a read is always counted after the last request's end): a
     stopping worker then waits for it as before, never closes it under a request."""
+    if not IDLE_CLOSE:
+        return
     received = protocol.data_received
     message_complete = protocol._on_message_complete
     arm_idle_timer = protocol._arm_keepalive_timer
@@ -167,6 +174,8 @@ def close_if_idle(protocol: ASGIProtocol, now_s: float, min_idle_s: float) -> bo
     application call runs (a response still being sent, a body still being read, keep it disarmed). A head begun
     (``_note_reads``) keeps the connection: that request is served, and its answer says ``Connection: close``, the
     worker no longer being alive."""
+    if not IDLE_CLOSE:
+        return False
     if protocol._closed or not protocol._awaiting_request or protocol._keepalive_handle is None:
         return False
     if protocol.reads != protocol.idle_reads or now_s - protocol.idle_since_s < min_idle_s:
@@ -254,7 +263,15 @@ def class_problems() -> list[str]:
     found += [
         f"gunicorn.asgi.protocol.ASGIProtocol.{name}" for name in PROTOCOL_METHODS if not hasattr(ASGIProtocol, name)
     ]
-    found += [
+    return [f"gunicorn {VERSION}: {p}" for p in found]
+
+
+def idle_close_problems() -> list[str]:
+    """What closing an idle handed-over connection at once when a worker stops (``close_if_idle``) needs of
+    gunicorn's ASGI protocol and the installed gunicorn lacks (gunicorn 25 and 26, which pyproject.toml admits,
+    lack some). Not a reason to refuse to serve: without them such a connection waits out its ``--keep-alive``
+    at a stop, as it always did (``require`` logs them once)."""
+    found = [
         f"gunicorn.asgi.protocol.ASGIProtocol.{name}: {why}"
         for name, why in PROTOCOL_PRIVATE_METHODS.items()
         if not callable(getattr(ASGIProtocol, name, None))
@@ -266,6 +283,9 @@ def class_problems() -> list[str]:
         if name not in stored
     ]
     return [f"gunicorn {VERSION}: {p}" for p in found]
+
+
+IDLE_CLOSE = not idle_close_problems()  # whether a stopping worker closes idle falcon-path connections at once
 
 
 def worker_problems(worker: Any) -> list[str]:
@@ -282,3 +302,8 @@ def require(worker: Any) -> None:
     found = class_problems() + worker_problems(worker)
     if found:
         raise RuntimeError("zserve's fast HTTP path does not fit this gunicorn:\n  " + "\n  ".join(found))
+    if not IDLE_CLOSE:
+        log.info(
+            "a stopping worker leaves idle connections of the falcon app to their --keep-alive on this gunicorn:\n  %s",
+            "\n  ".join(idle_close_problems()),
+        )
