@@ -34,8 +34,8 @@ def test_a_moved_internal_is_named_with_the_version(monkeypatch):
 
 
 def test_a_gunicorn_without_the_idle_close_internals_still_serves_and_leaves_the_protocol_alone(monkeypatch):
-    """gunicorn 25 and 26 (which pyproject.toml admits) lack some of what close_if_idle uses: the worker serves
-    there, and a stopping one leaves idle falcon-path connections to their keep-alive, as before."""
+    """gunicorn 27.0.0 (pyproject.toml's floor) lacks some of what close_if_idle uses: the worker serves there,
+    and a stopping one leaves idle falcon-path connections to their keep-alive, as before."""
     monkeypatch.delattr(gi.ASGIProtocol, "_arm_keepalive_timer")
     [problem] = gi.idle_close_problems()
     assert f"gunicorn {gi.VERSION}" in problem and "_arm_keepalive_timer" in problem
@@ -43,8 +43,20 @@ def test_a_gunicorn_without_the_idle_close_internals_still_serves_and_leaves_the
     monkeypatch.setattr(gi, "IDLE_CLOSE", False)
 
     class Protocol:  # what close_if_idle would look at: it must not, nor wrap anything
-        data_received = _on_message_complete = _arm_keepalive_timer = None
+        _feed_callback_parser = _on_message_complete = _arm_keepalive_timer = None
 
     protocol = Protocol()
     gi._note_reads(protocol)
     assert not hasattr(protocol, "reads") and gi.close_if_idle(protocol, 1e9, 0.0) is False
+
+
+def test_a_release_that_feeds_its_parser_without_self_loses_the_idle_close(monkeypatch):
+    """The read counter wraps _feed_callback_parser on the instance: were it fed some other way, a head begun
+    would pass for idle, and a stop would close it; such a release must lose the prompt close instead."""
+
+    def data_received(self, data):  # a release that feeds its parser directly
+        self._callback_parser.feed(data)
+
+    monkeypatch.setattr(gi.ASGIProtocol, "data_received", data_received)
+    [problem] = gi.idle_close_problems()
+    assert "ASGIProtocol.data_received no longer calls self._feed_callback_parser" in problem

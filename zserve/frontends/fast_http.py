@@ -446,11 +446,12 @@ class FastConnections:
         connection with no request cycle in progress, and marks the rest keep_alive=False) and nginx (idle
         keep-alive connections close when a worker quits gracefully). HTTP/1.1 lets a server close an idle
         connection at any time (RFC 9112 9.3.1, 9.6). What remains is the race of a client that sends on the
-        connection as it closes: that request meets a closed socket and its client must retry (the openai and
-        httpx clients retry on connection errors; httpx also finds a pooled connection closed before reusing
-        it). Two things narrow it: only connections idle for a whole sweep interval (no byte in or out, nothing
-        begun) are closed, so a client reusing its connection at once is answered with ``Connection: close``
-        instead; and only once the listeners are closed, so nothing new arrives on this worker meanwhile.
+        connection as it closes: that request meets a closed socket and its client must retry (the openai
+        client retries on connection errors; plain httpx raises them to its caller, but finds a pooled connection
+        closed before reusing it). Two things narrow it: only connections idle for a whole sweep interval (no
+        byte in or out, nothing begun) are closed, so a client reusing its connection at once is answered with
+        ``Connection: close`` instead; and only once the listeners are closed, so nothing new arrives on this
+        worker meanwhile.
         (gunicorn's own gthread worker, for the same race, keeps a stopping worker's idle connections open 2 s
         at most, STOP_KEEPALIVE_LINGER; uvicorn closes them at once.)"""
         now_s = self.worker.loop.time()

@@ -63,9 +63,19 @@ PROTOCOL_FIELDS = {
     "_closed": "True once it is closing",
 }
 PROTOCOL_PRIVATE_METHODS = {
+    "_feed_callback_parser": "feeds the parser: every read, and the bytes pipelined behind a request",
     "_on_message_complete": "the parser's callback at the end of a request (looked up when the parser is built)",
     "_arm_keepalive_timer": "called when the connection goes idle",
     "_keepalive_timeout": "how it closes an idle connection when --keep-alive expires",
+}
+# Where gunicorn 27.0.1 calls those methods through ``self`` (what the instance wrappers rely on): every read and the
+# re-feed of bytes pipelined behind a request go through _feed_callback_parser; _on_message_complete is looked up
+# when the parser is built; the idle timer is armed when a request ends and when a call left running ends.
+PROTOCOL_CALLS = {
+    "data_received": ("_feed_callback_parser",),
+    "_handle_connection": ("_feed_callback_parser", "_arm_keepalive_timer"),
+    "_setup_callback_parser": ("_on_message_complete",),
+    "_finishing_call_done": ("_arm_keepalive_timer",),
 }
 
 
@@ -129,14 +139,14 @@ def _note_reads(protocol: ASGIProtocol) -> None:
     ended: that is a request head begun (gunicorn's C parser does not say so, and a whole one would not leave the
     protocol idle), which a stopping worker must not close under.
 
-    On the instance, before the parser is built (connection_made) and before the transport takes the protocol
-    (uvloop's look data_received up once): a subclass would not do, as gunicorn caches which parser it may use on
-    the class it asks. Should gunicorn stop calling a wrapped method through the instance, the connection is never
-    taken for idle (``idle_reads`` stays -1, or a read is always counted after the last request's end): a
-    stopping worker then waits for it as before, never closes it under a request."""
+    On the instance, before the parser is built (connection_made: it looks _on_message_complete up then): a
+    subclass would not do, as gunicorn caches which parser it may use on the class it asks. A read is a call of
+    _feed_callback_parser, which every network read goes through and, once a request is answered, the bytes
+    pipelined behind it too: so a head begun in the same read as the last request's end, or in the fast path's
+    handover bytes, counts as begun. That gunicorn calls these through ``self`` is checked (PROTOCOL_CALLS)."""
     if not IDLE_CLOSE:
         return
-    received = protocol.data_received
+    feed = protocol._feed_callback_parser
     message_complete = protocol._on_message_complete
     arm_idle_timer = protocol._arm_keepalive_timer
     loop = protocol.worker.loop
@@ -145,23 +155,21 @@ def _note_reads(protocol: ASGIProtocol) -> None:
     protocol.idle_reads = -1  # reads when it went idle with nothing begun; -1: not idle since its first request
     protocol.idle_since_s = 0.0
 
-    def data_received(data: bytes) -> None:
-        protocol.reads += 1
-        received(data)
+    def feed_callback_parser(data: bytes) -> bool:
+        protocol.reads += 1  # a network read, or the re-feed of bytes pipelined behind the last request
+        return feed(data)
 
     def on_message_complete() -> None:
         protocol.reads_at_message_end = protocol.reads
         message_complete()
 
     def arm_keepalive_timer() -> None:
-        # A read since the last request ended began the next one: it stays begun (reads != idle_reads). The one
-        # case not seen: the next head's first bytes in the same read as the last request's end (a pipelining
-        # client that then stalls mid-head).
+        # A read since the last request ended began the next one: it stays begun (reads != idle_reads).
         protocol.idle_reads = protocol.reads_at_message_end
         protocol.idle_since_s = loop.time()
         arm_idle_timer()
 
-    protocol.data_received = data_received
+    protocol._feed_callback_parser = feed_callback_parser
     protocol._on_message_complete = on_message_complete
     protocol._arm_keepalive_timer = arm_keepalive_timer
 
@@ -268,14 +276,26 @@ def class_problems() -> list[str]:
 
 def idle_close_problems() -> list[str]:
     """What closing an idle handed-over connection at once when a worker stops (``close_if_idle``) needs of
-    gunicorn's ASGI protocol and the installed gunicorn lacks (gunicorn 25 and 26, which pyproject.toml admits,
-    lack some). Not a reason to refuse to serve: without them such a connection waits out its ``--keep-alive``
-    at a stop, as it always did (``require`` logs them once)."""
+    gunicorn's ASGI protocol and the installed gunicorn lacks (27.0.0, the floor, lacks ``_awaiting_request``).
+    Not a reason to refuse to serve: without them such a connection waits out its ``--keep-alive`` at a stop, as
+    it always did (``require`` logs them once).
+
+    The wrappers ``_note_reads`` puts on an instance count only where gunicorn calls those methods through
+    ``self``: a release that fed its parser, or ended a request, some other way would have a head begun taken for
+    idle. So the call sites are checked too (PROTOCOL_CALLS)."""
     found = [
         f"gunicorn.asgi.protocol.ASGIProtocol.{name}: {why}"
         for name, why in PROTOCOL_PRIVATE_METHODS.items()
         if not callable(getattr(ASGIProtocol, name, None))
     ]
+    for caller, callees in PROTOCOL_CALLS.items():
+        method = getattr(ASGIProtocol, caller, None)
+        looked_up = _names_looked_up(method.__code__) if hasattr(method, "__code__") else set()
+        found += [
+            f"gunicorn.asgi.protocol.ASGIProtocol.{caller} no longer calls self.{callee}"
+            for callee in callees
+            if callee not in looked_up
+        ]
     stored = _names_looked_up(ASGIProtocol.__init__.__code__)
     found += [
         f"gunicorn.asgi.protocol.ASGIProtocol().{name}: {why}"
