@@ -166,15 +166,24 @@ class WorkerLink:
             with open(path, "a"):
                 os.utime(path)
 
+    def _send(self, what: str, frame: bytes) -> None:
+        """To the broker, never blocking: a DEALER's send blocks while no broker is connected (one that refused
+        this host's CURVE key, or is gone), and this thread must go on, to see SIGTERM and the broker's silence.
+        Unsent, a Hello is sent again when the silence is noticed, and a Leave is what that silence then ends."""
+        try:
+            self.dealer.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("%s: no broker connected to take its %s", self.worker_id, what)
+
     def _leave(self, batch_ids: list[int]) -> None:
-        self.dealer.send(self.codec.encode(Leave(self.worker_id, batch_ids)))
+        self._send("Leave", self.codec.encode(Leave(self.worker_id, batch_ids)))
 
     def _hello(self) -> None:
         self._set_registered(False)
         hello = Hello(self.worker_id, os.getpid(), self.role, self.models, self.credits, kv_blocks=self.kv_blocks,
                       preprocesses=self.preprocesses, versions=library_versions(),
                       block_hashes=self.cache_snapshot() if self.cache_snapshot is not None else [])  # fmt: skip
-        self.dealer.send(self.codec.encode(hello))
+        self._send("Hello", self.codec.encode(hello))
 
     def _heartbeats(self) -> None:
         codec = Codec()
