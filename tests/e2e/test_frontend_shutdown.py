@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 from deployment import Deployment, free_port, write_config
+from raw_http import GET_MODELS, Conn, predict
 
 from zserve.frontends.fast_http import SWEEP_INTERVAL_S
 
@@ -63,53 +63,6 @@ class Gate(Model):
             time.sleep(0.01)
         return [{"echo": item} for item in batch]
 '''
-
-
-class Conn:
-    """One client connection that reads responses one at a time, by their Content-Length."""
-
-    def __init__(self, deployment: Deployment) -> None:
-        host, port = deployment.url.removeprefix("http://").rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=30)  # past the keep-alive: a hang fails
-        self.buf = b""
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def response(self) -> tuple[int, dict[str, str], bytes]:
-        while b"\r\n\r\n" not in self.buf:
-            chunk = self.sock.recv(65536)
-            assert chunk, f"connection closed before a response: {self.buf!r}"
-            self.buf += chunk
-        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-        length = int(headers.get("content-length", 0))
-        while len(self.buf) < length:
-            chunk = self.sock.recv(65536)
-            assert chunk, "connection closed inside a body"
-            self.buf += chunk
-        body, self.buf = self.buf[:length], self.buf[length:]
-        return int(lines[0].split()[1]), headers, body
-
-    def closed_by_server(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def predict(model: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (
-        b"POST /v1/models/%s/predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n%s\r\n%s" % (model.encode(), len(body), extra, body)
-    )
-
-
-GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
 def start(tmp_path: Path, monkeypatch) -> Deployment:
