@@ -124,7 +124,7 @@ def hand_over(worker: Any, transport: asyncio.Transport, raw: bytes, writing_pau
     """Give a connection, with the bytes read and not answered yet, to gunicorn's ASGI protocol; the caller has
     stopped counting it (``connection_closed``), and the protocol counts it again."""
     protocol = ASGIProtocol(worker)
-    _note_reads(protocol)  # before set_protocol: uvloop's transports look data_received up there, once
+    _note_reads(protocol)  # before connection_made: the parser it builds looks _on_message_complete up then
     transport.set_protocol(protocol)
     protocol.connection_made(transport)
     if writing_paused:
