@@ -32,10 +32,11 @@ rate one engine with room for every prefix would reach (each prefix computed onc
     .venv/bin/python -m bench.generation routing                      # SmolLM2-135M, 2 engines x 1 thread
     .venv/bin/python -m bench.generation routing --model tiny --groups 2 --turns 2 --prefix 64   # smoke run
 
-With ``--sglang-router CMD`` a third leg puts SGLang's router (``sglang-router``, cache_aware policy, its
-approximate radix tree over the request text) in front of ``--engines`` single-engine deployments; it probes
-``/health``, so each sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``). The broker's cost
-with 64 simulated engines is ``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
+With ``--sglang-router CMD`` a leg puts SGLang's router (``sglang-router``, cache_aware policy, its approximate
+radix tree over the request text) in front of ``--engines`` single-engine deployments, and with ``--vllm-router
+CMD`` vLLM's router (``vllm-router``, a Rust router of the same lineage; cache_aware policy) likewise; both probe
+``/health``, so each deployment sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``). The
+broker's cost with 64 simulated engines is ``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
 """
 
 from __future__ import annotations
@@ -277,8 +278,20 @@ class HealthAlias:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def peer_argv(routing: str, command: str, workers: list[str], port: int) -> list[str]:
+    """How each peer router is started with its cache-aware policy in front of ``workers``, on ``port``."""
+    where = ["--worker-urls", *workers, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
+    if routing == "sglang_router":
+        return [command, "launch", *where, "--disable-health-check"]
+    # vllm-router checks its workers every 30 s until they answer by default: at once here
+    return [command, *where, "--worker-startup-check-interval", "1"]
+
+
+PEERS = ("sglang_router", "vllm_router")
+
+
 def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Namespace) -> tuple[str, list, Any]:
-    """The leg's URL, its zserve deployments and what stops the rest. ``sglang_router``: SGLang's router
+    """The leg's URL, its zserve deployments and what stops the rest. A peer (``PEERS``): that router
     (cache_aware policy) in front of ``--engines`` single-engine deployments."""
     import subprocess
 
@@ -288,7 +301,7 @@ def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Name
         return zserve.serve(HANDLER, name=SERVED_NAME, options=options, engines=engines, threads=args.threads,
                             routing=how, timeout_ms=DEADLINE_MS, workers=1)  # fmt: skip
 
-    if routing != "sglang_router":
+    if routing not in PEERS:
         client = one(args.engines, routing)
         deadline = time.monotonic() + 120
         while routing == "cache_aware" and "routing: tokenizer loaded" not in client.output:
@@ -303,10 +316,9 @@ def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Name
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = open(Path(tempfile.gettempdir()) / "zserve-bench-sglang-router.log", "w")  # closed by stop()
-    router = subprocess.Popen([args.sglang_router, "launch", "--worker-urls", *[a.url for a in aliases],
-                               "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
-                               "--disable-health-check"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    log = open(Path(tempfile.gettempdir()) / f"zserve-bench-{routing}.log", "w")  # closed by stop()
+    argv = peer_argv(routing, getattr(args, routing), [a.url for a in aliases], port)
+    router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def stop() -> None:
         router.terminate()
@@ -435,8 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sglang-router",
         default="",
-        help="the sglang-router command: a third leg, SGLang's router "
+        help="the sglang-router command: a leg with SGLang's router "
         "(cache_aware) in front of --engines single-engine deployments (pip install sglang-router)",
+    )
+    p.add_argument(
+        "--vllm-router",
+        default="",
+        help="the vllm-router command: a leg with vLLM's router "
+        "(cache_aware) in front of --engines single-engine deployments (pip install vllm-router)",
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -453,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.hot} hot; one engine keeping every prefix would hit {ideal:.3f} of shared")  # fmt: skip
         rows, capacity = run_leg(path, "least_loaded", loads, talks, None, args)
         rows += run_leg(path, "cache_aware", loads, talks, capacity, args)[0]
-        if args.sglang_router:
-            rows += run_leg(path, "sglang_router", loads, talks, capacity, args)[0]
+        for peer in PEERS:
+            if getattr(args, peer):
+                rows += run_leg(path, peer, loads, talks, capacity, args)[0]
     by = {(r["routing"], r["workload"]): r for r in rows}
     print(f"{'ROUTING':>12} {'WORKLOAD':>8} {'REQS':>5} {'TTFT_P50_MS':>11} {'TTFT_P99_MS':>11} {'TOK/S':>7} "
           f"{'HIT_RATE':>8} {'SKEW':>5}  OUTCOMES")  # fmt: skip
@@ -486,14 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         ratios["hot_busiest_vs_mean"] = skew(by["cache_aware", "hot"])
         said.append(f"hot busiest engine {ratios['hot_busiest_vs_mean'] or 0:.2f}x the mean (target <= "
                     f"{HOT_SKEW_TARGET}), outcomes {by['cache_aware', 'hot']['outcomes']}")  # fmt: skip
-    if ("sglang_router", "shared") in by:  # zserve's broker against the peer router: hit rate >= 1x, TTFT <= 1x
-        peer = by["sglang_router", "shared"]
-        ratios["shared_hit_vs_sglang_router"] = by["cache_aware", "shared"]["hit_rate"] / max(peer["hit_rate"], 1e-9)
-        ratios["shared_ttft_p50_vs_sglang_router"] = by["cache_aware", "shared"]["ttft_p50_ms"] / peer["ttft_p50_ms"]
-        print(
-            f"cache_aware / sglang_router (shared): hit rate {ratios['shared_hit_vs_sglang_router']:.2f}x "
-            f"(target >= 1.0), TTFT p50 {ratios['shared_ttft_p50_vs_sglang_router']:.2f}x (target <= 1.0)"
-        )
+    for name in PEERS:  # zserve's broker against each peer router: hit rate >= 1x, TTFT p50 <= 1x
+        if (name, "shared") not in by:
+            continue
+        ours, peer = by["cache_aware", "shared"], by[name, "shared"]
+        hit = ratios[f"shared_hit_vs_{name}"] = ours["hit_rate"] / max(peer["hit_rate"], 1e-9)
+        ttft = ratios[f"shared_ttft_p50_vs_{name}"] = ours["ttft_p50_ms"] / peer["ttft_p50_ms"]
+        print(f"cache_aware / {name} (shared): hit rate {hit:.2f}x (target >= 1.0), "
+              f"TTFT p50 {ttft:.2f}x (target <= 1.0)")  # fmt: skip
     print(f"capacity {', '.join(f'{k} {v:.3f}' for k, v in capacity.items())} requests/s; cache_aware / "
           f"least_loaded: {'; '.join(said)}; {args.engines} engines x {args.threads} threads")  # fmt: skip
     out = args.out or RESULTS / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
