@@ -35,8 +35,11 @@ rate one engine with room for every prefix would reach (each prefix computed onc
 With ``--sglang-router CMD`` a leg puts SGLang's router (``sglang-router``, cache_aware policy, its approximate
 radix tree over the request text) in front of ``--engines`` single-engine deployments, and with ``--vllm-router
 CMD`` vLLM's router (``vllm-router``, a Rust router of the same lineage; cache_aware policy) likewise; both probe
-``/health``, so each deployment sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``). The
-broker's cost with 64 simulated engines is ``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
+``/health``, so each deployment sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``).
+vllm-router (0.1.17) matches token ids, which it asks each request's worker for (vLLM's ``/v1/completions/render``,
+then ``/tokenize``); zserve serves neither, so in front of zserve it routes by load alone: its leg measures what a
+user putting it there gets today, not its policy. The broker's cost with 64 simulated engines is
+``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
 """
 
 from __future__ import annotations
