@@ -36,9 +36,8 @@ With ``--sglang-router CMD`` a leg puts SGLang's router (``sglang-router``, cach
 radix tree over the request text) in front of ``--engines`` single-engine deployments, and with ``--vllm-router
 CMD`` vLLM's router (``vllm-router``, a Rust router of the same lineage; cache_aware policy) likewise; both probe
 ``/health``, so each deployment sits behind a bench-only alias to zserve's ``/healthz`` (``HealthAlias``).
-vllm-router (0.1.17) matches token ids, which it asks each request's worker for (vLLM's ``/v1/completions/render``,
-then ``/tokenize``); zserve serves neither, so in front of zserve it routes by load alone: its leg measures what a
-user putting it there gets today, not its policy. The broker's cost with 64 simulated engines is
+vllm-router (0.1.17) matches token ids, which it asks the workers for before it routes (vLLM's
+``/v1/completions/render``, then ``/tokenize``, which zserve serves). The broker's cost with 64 simulated engines is
 ``routing-cost``. Writes bench/results/routing-DATE-TIME.json.
 """
 
@@ -281,6 +280,17 @@ class HealthAlias:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def load_tokenizer(url: str) -> None:
+    """Have the deployment at ``url`` load its tokenizer (``POST /tokenize``), as a token-level router's first
+    request would."""
+    import urllib.request
+
+    request = urllib.request.Request(url + "/tokenize", data=json.dumps({"prompt": "warm up"}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        json.loads(answer.read())
+
+
 def peer_argv(routing: str, command: str, workers: list[str], port: int) -> list[str]:
     """How each peer router is started with its cache-aware policy in front of ``workers``, on ``port``."""
     where = ["--worker-urls", *workers, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
@@ -313,6 +323,8 @@ def deploy(path: str, routing: str, options: dict[str, Any], args: argparse.Name
             time.sleep(0.1)
         return client.url, [client], lambda: None
     clients = [one(1, "least_loaded") for _ in range(args.engines)]
+    for c in clients:  # each frontend loads its tokenizer on the first /tokenize: before the clock, not during it
+        load_tokenizer(c.url)
     aliases = [HealthAlias(c.url) for c in clients]
     import socket
 

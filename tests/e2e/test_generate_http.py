@@ -307,3 +307,59 @@ def _post(url: str, body: dict) -> bytes:
     status, data = _post_status(url, body)
     assert status == 200, data
     return data
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_tokenize_gives_the_ids_the_engine_takes(served, oai, tiny_path):
+    """vLLM's /tokenize and /detokenize: a prompt's and chat messages' ids are the engine's (usage counts them)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    prompt = "Seattle is a city in the state of Washington."
+    status, out = post_json(served.url + "/tokenize", {"model": "tiny", "prompt": prompt, "return_token_strs": True})
+    assert status == 200, out
+    assert out["tokens"] == tokenizer(prompt)["input_ids"] and out["count"] == len(out["tokens"]) > 5
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == AutoConfig.from_pretrained(tiny_path).max_position_embeddings
+    used = oai.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert used == out["count"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    status, chat = post_json(served.url + "/tokenize", {"messages": messages})  # model: the one served
+    assert status == 200, chat
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert chat["token_strs"] is None
+    used = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage.prompt_tokens
+    assert used == chat["count"]
+    status, plain = post_json(served.url + "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and plain["count"] < chat["count"] and chat["tokens"][: plain["count"]] == plain["tokens"]
+    status, back = post_json(served.url + "/detokenize", {"model": "tiny", "tokens": chat["tokens"]})
+    assert status == 200 and back["prompt"] == tokenizer.decode(chat["tokens"]) and "hello there" in back["prompt"]
+
+
+def test_tokenize_errors_name_the_field(served):
+    url = served.url
+    for path, body, status, param in [
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": "tiny"}, 400, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
+        ("/tokenize", {"model": "tiny", "prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/detokenize", {"model": "tiny", "tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"model": "tiny", "tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
+    ]:
+        got, out = post_json(url + path, body)
+        assert (got, out["error"]["param"]) == (status, param), (path, body, out)
+        assert out["error"]["type"] == "invalid_request_error"

@@ -1,7 +1,7 @@
 """Fuzzed HTTP bodies against a live deployment (``zserve up``, gunicorn; conftest.py's, with an API key): every
 route (native predict, /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/rerank, /v2/rerank, /v1/score,
-/mii/...) answers anything a client can send with a 2xx or a 4xx whose body is a JSON error in the route's shape,
-never a 5xx, and keeps serving."""
+/tokenize, /detokenize, /mii/...) answers anything a client can send with a 2xx or a 4xx whose body is a JSON
+error in the route's shape, never a 5xx, and keeps serving."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from .conftest import AUTH
 
 # routes whose errors come in OpenAI's shape ({"error": {"message", "type", "param", "code"}})
-OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score",
+                 "/tokenize", "/detokenize")  # fmt: skip
 ROUTES = ("/v1/models/echo/predict", "/mii/tiny", *OPENAI_ROUTES)
 counted: dict[str, int] = {}
 served: dict[str, int] = {}  # of those, answered 2xx (the strategies reach the models, not only the validation)
@@ -135,6 +136,10 @@ SERVABLE = {
     "/v1/score": bodies({"model": st.just("rerank"), "text_1": words, "text_2": words | some_words}, {}),
 }
 SERVABLE["/v2/rerank"] = SERVABLE["/v1/rerank"]
+SERVABLE["/tokenize"] = bodies(
+    {"prompt": words}, {"model": st.just("tiny"), "return_token_strs": st.booleans()}
+) | bodies({"messages": user_messages}, {"add_generation_prompt": st.booleans(), "add_special_tokens": st.booleans()})
+SERVABLE["/detokenize"] = bodies({"tokens": st.lists(st.integers(0, 100), max_size=10)}, {"model": st.just("tiny")})
 
 FUZZED = {
     "/v1/models/echo/predict": json_values.map(lambda v: json.dumps(v).encode()),
@@ -154,6 +159,21 @@ FUZZED = {
     "/v1/score": bodies(
         {"model": model_names},
         {"text_1": texts | st.lists(st.text(max_size=20), max_size=3), "text_2": texts | documents},
+    ),
+    "/tokenize": bodies(
+        {},
+        {
+            "model": model_names | st.none(),
+            "prompt": prompts,
+            "messages": messages,
+            "tools": json_values,
+            "add_generation_prompt": st.booleans() | json_values,
+            "add_special_tokens": st.booleans() | json_values,
+            "return_token_strs": st.booleans() | json_values,
+        },
+    ),
+    "/detokenize": bodies(
+        {}, {"model": model_names, "tokens": st.lists(st.integers(-2, 2**40), max_size=5) | json_values}
     ),
     "/mii/tiny": bodies(
         {"prompts": prompts},

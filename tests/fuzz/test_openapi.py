@@ -31,7 +31,7 @@ def test_the_document_is_openapi_3_1_and_covers_every_route(deployment):
     assert set(doc["paths"]) == {
         "/v1/models/{name}/predict", "/v1/models", "/healthz", "/readyz", "/metrics", "/openapi.json",
         "/v1/completions", "/v1/chat/completions", "/mii/{deployment}", "/v1/embeddings", "/v1/rerank", "/v2/rerank",
-        "/v1/score",
+        "/v1/score", "/tokenize", "/detokenize",
     }  # fmt: skip
     schemas = doc["components"]["schemas"]
     assert {"Error", "OpenAIError", "EmbeddingRequest", "CompletionRequest", "GenerateResponse"} <= set(schemas)

@@ -24,14 +24,14 @@ def test_the_frontend_tokenises_and_hashes_as_the_engine_does(tiny_path):
     engine = Generator.load(str(tiny_path), options=GeneratorOptions(num_blocks=64, block_size=4))
     blocks = PromptBlocks({"path": str(tiny_path), "block_size": 4})
     assert blocks(GenerateRequest(prompt="x" * 100)) == []  # no tokenizer yet: routed by load
-    blocks.prompt_ids(GenerateRequest(prompt="x"))  # loads it here (the frontend's start() loads it on a thread)
+    blocks.tokenizer.prompt_ids(GenerateRequest(prompt="x"))  # loads it here (start() loads it on a thread)
     text = {"prompt": "Seattle is a city in the state of Washington. " * 3, "max_new_tokens": 2}
     chat = {"messages": [{"role": "system", "content": "DeepSpeed is a deep learning optimization library."},
                          {"role": "user", "content": "The quick brown fox"}], "max_new_tokens": 2}  # fmt: skip
     for body in (text, chat):
         ids = engine.prepare(parse_generate_request(body)).prompt_ids
         item = parse_generate_request(body)  # what the frontend's decode_request makes
-        assert blocks.prompt_ids(item) == ids
+        assert blocks.tokenizer.prompt_ids(item) == ids
         hashes = blocks(item)
         assert hashes == shareable_hashes(ids, 4) and len(hashes) >= 3
         # the ids travel in the request, with the fingerprint of the tokenizer that made them: the engine's own
@@ -43,7 +43,10 @@ def test_the_frontend_tokenises_and_hashes_as_the_engine_does(tiny_path):
         assert all(h in engine.core.blocks.by_hash for h in hashes)
     assert PromptBlocks({"path": str(tiny_path), "prefix_caching": False})(parse_generate_request(text)) == []
     missing = PromptBlocks({"path": "/nonexistent"})
-    assert missing._load() is None and not missing.enabled and missing(parse_generate_request(text)) == []
+    missing._load()
+    assert not missing.enabled and "/nonexistent" in missing.tokenizer.failed
+    assert missing(parse_generate_request(text)) == []
+    assert not PromptBlocks({"path": ""}).enabled  # nothing to load
 
 
 def test_prompt_blocks_take_the_engines_defaults():

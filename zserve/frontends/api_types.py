@@ -450,3 +450,37 @@ class ScoreResponse(msgspec.Struct):
     model: str
     data: list[ScoreData]
     usage: EmbeddingUsage
+
+
+# vLLM's /tokenize and /detokenize.
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """A ``prompt`` (tokenised as /v1/completions takes it) or chat ``messages`` (and ``tools``: rendered with the
+    chat template, as /v1/chat/completions takes them). ``model`` may be left out where one generative model is
+    served. ``add_special_tokens``: the tokenizer's own (BOS, say) around the text; by default for a prompt, not for
+    messages (their template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)] | None = None
+    tools: list[ToolDefinition] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int  # prompt and generated tokens together that the model takes
+    tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's text of each token, with return_token_strs
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

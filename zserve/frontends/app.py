@@ -23,6 +23,7 @@ from zserve.frontends.auth import RequireApiKey, api_keys_from
 from zserve.frontends.embeddings_routes import EmbeddingsResource, embedding_models
 from zserve.frontends.generate_routes import ChatCompletionsResource, CompletionsResource, MiiResource
 from zserve.frontends.limits import Limits
+from zserve.frontends.model_tokenizer import ModelTokenizer
 from zserve.frontends.openapi import OpenApiResource, openapi_document
 from zserve.frontends.prompt_blocks import PromptBlocks
 from zserve.frontends.rerank_routes import RerankResource, ScoreResource, rerank_models
@@ -36,6 +37,7 @@ from zserve.frontends.resources import (
     ReadyResource,
     error_serializer,
 )
+from zserve.frontends.tokenize_routes import DetokenizeResource, TokenizeResource
 from zserve.logs import setup_logging
 from zserve.model import load_handler
 
@@ -70,9 +72,11 @@ def create_frontend(settings: FrontendSettings | None = None) -> Frontend:
     handlers = {m.name: load_handler(m.handler, m.options) for m in settings.models}
     # Models batched by cost: every request of every route carries its item's cost (Model.cost).
     cost_of = {m.name: handlers[m.name].cost for m in settings.models if m.max_batch_cost}
+    # Each generative model's tokenizer (loaded on first use), for /tokenize and routing
+    tokenizers = {m.name: ModelTokenizer(m.options) for m in settings.models if handlers[m.name].generative}
     # Generative models routed cache_aware: every request carries its prompt's block hashes (prompt_blocks.py)
     routed = [m for m in settings.models if m.route_blocks and handlers[m.name].generative]
-    blocks_of = {m.name: PromptBlocks(m.options).start() for m in routed}
+    blocks_of = {m.name: PromptBlocks(m.options, tokenizers[m.name]).start() for m in routed}
     client = AsyncClient(settings.client_endpoint, cost_of=cost_of, blocks_of=blocks_of)
     health = Health(client)
 
@@ -91,6 +95,8 @@ def create_frontend(settings: FrontendSettings | None = None) -> Frontend:
         app.add_route("/v1/completions", CompletionsResource(client, handlers, body, limits))
         app.add_route("/v1/chat/completions", ChatCompletionsResource(client, handlers, body, limits))
         app.add_route("/mii/{deployment}", MiiResource(client, handlers, body, limits))
+        app.add_route("/tokenize", TokenizeResource(tokenizers, body, limits))
+        app.add_route("/detokenize", DetokenizeResource(tokenizers, body, limits))
     if embedding_models(handlers):
         app.add_route("/v1/embeddings", EmbeddingsResource(client, handlers, body, limits))
     if rerank_models(handlers):

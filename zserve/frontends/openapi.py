@@ -18,6 +18,7 @@ _TYPES: tuple[Any, ...] = (
     t.Error, t.OpenAIError, t.ModelList, t.Live, t.Ready, t.CompletionRequest, t.Completion,
     t.ChatCompletionRequest, t.ChatCompletion, t.ChatCompletionChunk, t.MiiRequest,
     t.EmbeddingRequest, t.EmbeddingList, t.RerankRequest, t.RerankResponse, t.ScoreRequest, t.ScoreResponse,
+    t.TokenizeRequest, t.TokenizeResponse, t.DetokenizeRequest, t.DetokenizeResponse,
     GenerateRequest, GenerateResponse,
 )  # fmt: skip
 _RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds to wait before retrying"}}
@@ -121,6 +122,9 @@ def openapi_document(
                           (t.ScoreRequest, rerank)):  # fmt: skip
         if names:
             components[struct.__name__]["properties"]["model"]["enum"] = names
+    for struct in (t.TokenizeRequest, t.DetokenizeRequest):  # model: a name, or null (the one generative model)
+        if generative:
+            components[struct.__name__]["properties"]["model"]["anyOf"][0]["enum"] = generative
     b = _Builder(secured, auth_health)
     errors = (400, 404, 413, 500, 503, 504)
     b.add("/v1/models/{name}/predict", "post", "Run one request through a model (its own body and answer: "
@@ -145,6 +149,12 @@ def openapi_document(
         b.add("/mii/{deployment}", "post", "DeepSpeed-MII's REST route",
               _json({"type": "array", "items": _ref(GenerateResponse)}, "one answer per prompt"), errors,
               body=_ref(t.MiiRequest), parameters=_name_parameter("deployment", generative))  # fmt: skip
+        b.add("/tokenize", "post", "vLLM's tokenize: a prompt's or chat messages' token ids, as the model takes them",
+              _json(_ref(t.TokenizeResponse), "the token ids"), (400, 404, 413), t.OpenAIError,
+              body=_ref(t.TokenizeRequest))  # fmt: skip
+        b.add("/detokenize", "post", "vLLM's detokenize: the text of token ids",
+              _json(_ref(t.DetokenizeResponse), "the text"), (400, 404, 413), t.OpenAIError,
+              body=_ref(t.DetokenizeRequest))  # fmt: skip
     if embedding:
         b.add("/v1/embeddings", "post", f"OpenAI embeddings (models: {', '.join(embedding)})",
               _json(_ref(t.EmbeddingList), "one vector per input"), errors, t.OpenAIError,

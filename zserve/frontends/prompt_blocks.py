@@ -24,11 +24,10 @@ import logging
 import threading
 from typing import Any
 
-import msgspec
-
 from zserve.batching.prefix_hash import shareable_hashes
 from zserve.batching.routing import MAX_ROUTE_BLOCKS
-from zserve.generation import GenerateRequest, tokenizer_fingerprint
+from zserve.frontends.model_tokenizer import ModelTokenizer
+from zserve.generation import GenerateRequest
 from zserve.generator.options import GeneratorOptions
 
 log = logging.getLogger("zserve.frontend")
@@ -38,16 +37,13 @@ class PromptBlocks:
     """``blocks(item)``: the hashes of the shareable prompt blocks of a decoded generative request; the item
     (a ``GenerateRequest`` the client has not encoded yet) gains its ``prompt_token_ids`` and ``prompt_tokenizer``."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], tokenizer: ModelTokenizer | None = None) -> None:
         """``options``: the model's ``[models.options]``; what is not given is ``GeneratorOptions``' default,
-        as the engine reads it."""
+        as the engine reads it. ``tokenizer``: the model's, shared with the worker's other users of it."""
         defaults = GeneratorOptions()
-        self.path = str(options.get("path", defaults.path))
-        self.gguf_file = str(options.get("gguf_file", defaults.gguf_file))
+        self.tokenizer = tokenizer or ModelTokenizer(options)
         self.block_size = int(options.get("block_size", defaults.block_size))
-        self.enabled = bool(options.get("prefix_caching", defaults.prefix_caching)) and bool(self.path)
-        self._tokenizer: Any = None
-        self.fingerprint = ""  # set with the tokenizer; "" sends no ids (the engine tokenises)
+        self.enabled = bool(options.get("prefix_caching", defaults.prefix_caching)) and not self.tokenizer.failed
 
     def start(self) -> PromptBlocks:
         """Load the tokenizer in the background (requests meanwhile are routed by load)."""
@@ -56,48 +52,22 @@ class PromptBlocks:
         return self
 
     def __call__(self, item: Any) -> list[int]:
-        if self._tokenizer is None or not isinstance(item, GenerateRequest):
+        tokenizer = self.tokenizer
+        if not self.enabled or tokenizer.tokenizer is None or not isinstance(item, GenerateRequest):
             return []
         try:
-            ids = self.prompt_ids(item)
+            ids = tokenizer.prompt_ids(item)
         except Exception as exc:  # the engine answers the request's own error; routing just has no blocks
             log.debug("no prompt blocks for routing: %r", exc)
             return []
-        if self.fingerprint:
+        if tokenizer.fingerprint:
             item.prompt_token_ids = ids
-            item.prompt_tokenizer = self.fingerprint
+            item.prompt_tokenizer = tokenizer.fingerprint
         return shareable_hashes(ids, self.block_size, MAX_ROUTE_BLOCKS)
 
-    def prompt_ids(self, item: GenerateRequest) -> list[int]:
-        """Token ids as ``Generator.prepare`` makes them (the chat template for ``messages``)."""
-        tokenizer = self._tokenizer or self._load()
-        if tokenizer is None:
-            raise RuntimeError("no tokenizer")
-        if item.messages is not None:
-            text = tokenizer.apply_chat_template(
-                [msgspec.to_builtins(m) for m in item.messages],
-                tools=item.tools,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer(item.prompt)["input_ids"]
-
-    def _load(self) -> Any:
-        from transformers import AutoTokenizer
-
-        from zserve.gguf_cache import config_path, resolve_model_path
-
-        path = self.path
-        try:
-            path = resolve_model_path(self.path)
-            if self.gguf_file:  # the engine's own tokenizer folder, made once from the file's metadata (read: ~10 s)
-                path = str(config_path(path, self.gguf_file))
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            self.fingerprint = tokenizer_fingerprint(tokenizer)
-            self._tokenizer = tokenizer  # last: __call__ reads the fingerprint once it sees the tokenizer
-            log.info("routing: tokenizer loaded from %s; requests carry their prompt blocks", path)
-        except Exception as exc:
+    def _load(self) -> None:
+        if self.tokenizer.load() is None:
             self.enabled = False
-            log.warning("cannot load the tokenizer at %s (%r): requests are routed by load only", path, exc)
-        return self._tokenizer
+            log.warning("routing: %s: requests are routed by load only", self.tokenizer.failed)
+        else:
+            log.info("routing: tokenizer loaded from %s; requests carry their prompt blocks", self.tokenizer.folder)

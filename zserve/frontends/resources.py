@@ -55,7 +55,8 @@ def openai_error(resp: falcon.asgi.Response, http_status: int, code: str, messag
 
 
 # The routes that answer errors in OpenAI's shape (what OpenAI clients parse).
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score",
+                "/tokenize", "/detokenize")  # fmt: skip
 
 
 def error_writer(path: str) -> Callable[..., None]:
