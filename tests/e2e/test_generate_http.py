@@ -349,6 +349,7 @@ def test_tokenize_gives_the_ids_the_engine_takes(served, oai, tiny_path):
 
 def test_tokenize_errors_name_the_field(served):
     url = served.url
+    bad_tool = {"type": "function", "function": {"name": "bad name!"}}  # chat completions refuse it too
     for path, body, status, param in [
         ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
         ("/tokenize", {"model": "tiny"}, 400, "prompt"),
@@ -356,6 +357,8 @@ def test_tokenize_errors_name_the_field(served):
         ("/tokenize", {"model": "tiny", "prompt": 3}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
         ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [bad_tool]}, 400, "tools"),
+        ("/tokenize", {"prompt": "x", "chat_template": "{{ x }}"}, 400, "chat_template"),
         ("/detokenize", {"model": "tiny", "tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"model": "tiny", "tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
@@ -363,3 +366,10 @@ def test_tokenize_errors_name_the_field(served):
         got, out = post_json(url + path, body)
         assert (got, out["error"]["param"]) == (status, param), (path, body, out)
         assert out["error"]["type"] == "invalid_request_error"
+    # a history call's arguments nested past the interpreter's limit: rendered as the text they are, not a 500
+    deep = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}}
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [deep]}]
+    got, out = post_json(url + "/tokenize", {"messages": history})
+    assert got == 200 and out["count"] > 0, out
+    got, out = post_json(url + "/v1/chat/completions", {"model": "tiny", "messages": history, "max_tokens": 1})
+    assert got == 200, out

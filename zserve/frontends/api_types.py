@@ -468,6 +468,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    # vLLM's, refused when set (400 naming them) rather than ignored: the ids would not be what they ask for
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(msgspec.Struct):

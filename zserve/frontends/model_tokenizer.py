@@ -22,6 +22,9 @@ log = logging.getLogger("zserve.frontend")
 
 
 class ModelTokenizer:
+    """``load()`` once (any thread), then ``text_ids``, ``chat_ids``, ``prompt_ids``; ``tokenizer`` is the
+    transformers tokenizer itself once loaded."""
+
     def __init__(self, options: dict[str, Any]) -> None:
         """``options``: the model's ``[models.options]``; what is not given is ``GeneratorOptions``' default,
         as the engine reads it."""
@@ -57,7 +60,7 @@ class ModelTokenizer:
             config = AutoConfig.from_pretrained(path)
         except Exception as exc:
             self.failed = f"cannot load the tokenizer at {path} ({exc!r})"
-            log.warning("%s", self.failed)
+            log.warning("%s: /tokenize answers 500 and requests are routed by load", self.failed)
             return
         # as Generator.max_context reads it
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
@@ -66,6 +69,7 @@ class ModelTokenizer:
         self.tokenizer = tokenizer  # last: readers that see the tokenizer see the rest
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids, as ``/v1/completions`` takes it: the tokenizer's special tokens around it by default."""
         return self._loaded()(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def chat_ids(

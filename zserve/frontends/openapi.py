@@ -150,10 +150,10 @@ def openapi_document(
               _json({"type": "array", "items": _ref(GenerateResponse)}, "one answer per prompt"), errors,
               body=_ref(t.MiiRequest), parameters=_name_parameter("deployment", generative))  # fmt: skip
         b.add("/tokenize", "post", "vLLM's tokenize: a prompt's or chat messages' token ids, as the model takes them",
-              _json(_ref(t.TokenizeResponse), "the token ids"), (400, 404, 413), t.OpenAIError,
+              _json(_ref(t.TokenizeResponse), "the token ids"), (400, 404, 413, 500), t.OpenAIError,
               body=_ref(t.TokenizeRequest))  # fmt: skip
         b.add("/detokenize", "post", "vLLM's detokenize: the text of token ids",
-              _json(_ref(t.DetokenizeResponse), "the text"), (400, 404, 413), t.OpenAIError,
+              _json(_ref(t.DetokenizeResponse), "the text"), (400, 404, 413, 500), t.OpenAIError,
               body=_ref(t.DetokenizeRequest))  # fmt: skip
     if embedding:
         b.add("/v1/embeddings", "post", f"OpenAI embeddings (models: {', '.join(embedding)})",

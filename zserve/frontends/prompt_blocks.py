@@ -67,7 +67,6 @@ class PromptBlocks:
 
     def _load(self) -> None:
         if self.tokenizer.load() is None:
-            self.enabled = False
-            log.warning("routing: %s: requests are routed by load only", self.tokenizer.failed)
+            self.enabled = False  # ModelTokenizer said why
         else:
             log.info("routing: tokenizer loaded from %s; requests carry their prompt blocks", self.tokenizer.folder)

@@ -18,7 +18,7 @@ import msgspec
 from jinja2 import TemplateError
 
 from zserve.errors import BadRequest
-from zserve.frontends import openai_params
+from zserve.frontends import openai_params, tool_calls
 from zserve.frontends.api_types import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -34,6 +34,9 @@ _json = msgspec.json.Encoder()
 
 
 class _TokenizerRoute:
+    """What both routes share: the model's tokenizer by name, the body read and the answer written; ``answer``
+    (each route's own) makes the answer of a body."""
+
     def __init__(self, tokenizers: dict[str, ModelTokenizer], max_body_bytes: int, limits: Limits) -> None:
         """``tokenizers``: each generative model's, by name (shared with routing's prompt blocks)."""
         self.tokenizers = tokenizers
@@ -53,8 +56,7 @@ class _TokenizerRoute:
                 raise RequestError(404, "model_not_found", f"no generative model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
         if tokenizer.tokenizer is None and await asyncio.to_thread(tokenizer.load) is None:
-            raise RequestError(400, "no_tokenizer", f"this model's tokenizer does not load: {tokenizer.failed}",
-                               "model")  # fmt: skip
+            raise RequestError(500, "tokenizer_unavailable", f"the model's tokenizer does not load: {tokenizer.failed}")
         return tokenizer
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -73,15 +75,20 @@ class _TokenizerRoute:
 class TokenizeResource(_TokenizerRoute):
     async def answer(self, body: Any) -> TokenizeResponse:
         request = decode_body(body, TokenizeRequest)
+        tokenizer = await self.tokenizer(request.model)
+        for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):  # vLLM's, not ours
+            if getattr(request, name):
+                raise BadRequest(f"`{name}` is not supported by this server", field=name)
         if (request.prompt is None) == (request.messages is None):
             raise BadRequest("give exactly one of `prompt` and `messages`", field="prompt")
         if request.messages is None and request.tools is not None:
             raise BadRequest("`tools` go with `messages`", field="tools")
+        # as /v1/chat/completions reads them: the same checks, the same template input
         tools = None if request.tools is None else msgspec.to_builtins(request.tools)
         self.limits.check_tools(tools)
-        # as /v1/chat/completions reads them: the same checks, the same template input
+        if tools is not None:
+            tool_calls.check_tools(tools)
         messages = None if request.messages is None else openai_params.chat_messages(request.messages)
-        tokenizer = await self.tokenizer(request.model)
         # off the event loop: a body of max_body_bytes takes the tokenizer a while, and the worker's other
         # connections must not wait for it
         return await asyncio.to_thread(self._tokenize, tokenizer, request, messages, tools)
@@ -96,7 +103,8 @@ class TokenizeResource(_TokenizerRoute):
                 ids = tokenizer.chat_ids([msgspec.to_builtins(m) for m in messages], tools,
                                          request.add_generation_prompt,
                                          add_special_tokens=request.add_special_tokens is True)  # fmt: skip
-            except (TemplateError, ValueError, TypeError) as exc:  # the template's refusal (a role it does not take)
+            # the template's refusal (a role it does not take), or arguments nested past the interpreter's limit
+            except (TemplateError, ValueError, TypeError, RecursionError) as exc:
                 raise BadRequest(f"the chat template cannot render these messages: {exc}", field="messages") from exc
         strs = tokenizer.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(len(ids), tokenizer.max_context, ids, strs)

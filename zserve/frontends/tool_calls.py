@@ -164,7 +164,7 @@ def _history_call(i: int, call: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's limit
             pass  # rendered as the text it is
     return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
