@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from zserve.generation import GenerateRequest, tokenizer_fingerprint
+from zserve.generation import ChatMessage, GenerateRequest, tokenizer_fingerprint
 from zserve.generator.options import GeneratorOptions
 
 log = logging.getLogger("zserve.frontend")
@@ -74,7 +74,7 @@ class ModelTokenizer:
 
     def chat_ids(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[ChatMessage],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
@@ -82,14 +82,17 @@ class ModelTokenizer:
         """Rendered with the chat template, then tokenised; the template writes the special tokens itself."""
         tokenizer = self._loaded()
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            [msgspec.to_builtins(m) for m in messages],
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def prompt_ids(self, item: GenerateRequest) -> list[int]:
         """Token ids as ``Generator.prepare`` makes them (the chat template for ``messages``)."""
         if item.messages is not None:
-            return self.chat_ids([msgspec.to_builtins(m) for m in item.messages], tools=item.tools)
+            return self.chat_ids(item.messages, tools=item.tools)
         return self.text_ids(item.prompt or "")
 
     def _loaded(self) -> Any:

@@ -29,6 +29,7 @@ from zserve.frontends.api_types import (
 from zserve.frontends.limits import Limits
 from zserve.frontends.model_tokenizer import ModelTokenizer
 from zserve.frontends.resources import RequestError, answer_error, openai_error, read_json
+from zserve.generation import ChatMessage
 
 _json = msgspec.json.Encoder()
 
@@ -94,14 +95,13 @@ class TokenizeResource(_TokenizerRoute):
         return await asyncio.to_thread(self._tokenize, tokenizer, request, messages, tools)
 
     @staticmethod
-    def _tokenize(tokenizer: ModelTokenizer, request: TokenizeRequest, messages: list[Any] | None,
+    def _tokenize(tokenizer: ModelTokenizer, request: TokenizeRequest, messages: list[ChatMessage] | None,
                   tools: list[dict[str, Any]] | None) -> TokenizeResponse:  # fmt: skip
         if messages is None:
             ids = tokenizer.text_ids(request.prompt or "", add_special_tokens=request.add_special_tokens is not False)
         else:
             try:
-                ids = tokenizer.chat_ids([msgspec.to_builtins(m) for m in messages], tools,
-                                         request.add_generation_prompt,
+                ids = tokenizer.chat_ids(messages, tools, request.add_generation_prompt,
                                          add_special_tokens=request.add_special_tokens is True)  # fmt: skip
             # the template's refusal (a role it does not take), or arguments nested past the interpreter's limit
             except (TemplateError, ValueError, TypeError, RecursionError) as exc:
