@@ -31,7 +31,8 @@ test: install lint
 	$(PY) -m pytest -q -ra --durations=30
 
 # The tests that touch the model libraries (sentence-transformers stacks, rerank and classification, generation
-# against HF generate, GGUF loading (the conversion, and the config and tokenizer read from a GGUF's metadata),
+# against HF generate, GGUF loading (the conversion, and the config and tokenizer read from a GGUF's metadata), the
+# frontend tokenising as the engine does (model_tokenizer.py, for routing's prompt blocks and /tokenize),
 # structured output, the default deployment end to end, and the fast HTTP path on gunicorn's floor), run again at both ends
 # of pyproject.toml's ranges, each in a virtualenv of its own built afresh (.ci/range_leg; `.ci/run` runs both):
 # `make test-newest` with the newest releases the ranges admit, `make test-floors` with the model libraries at
@@ -42,6 +43,7 @@ MODEL_LIBRARY_TESTS := \
 	tests/integration/test_causal_lm.py \
 	tests/integration/test_gguf_cache.py \
 	tests/integration/test_gguf_load.py \
+	tests/integration/test_prompt_blocks.py \
 	tests/unit/test_structured_output.py \
 	tests/unit/test_versions.py \
 	tests/e2e/test_default_deployment.py \

@@ -359,6 +359,12 @@ def test_tokenize_errors_name_the_field(served):
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [bad_tool]}, 400, "tools"),
         ("/tokenize", {"prompt": "x", "chat_template": "{{ x }}"}, 400, "chat_template"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
         ("/detokenize", {"model": "tiny", "tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"model": "tiny", "tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),

@@ -43,6 +43,7 @@ CASES = [
     ("/v1/completions", {"model": "lm", "prompt": "a", "guided_json": WIDE}, "guided_json"),
     ("/v1/chat/completions", {**CHAT, "n": 5}, "n"),
     ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
+    ("/tokenize", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
     (
         "/v1/chat/completions",
         {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": WIDE}}},
@@ -83,3 +84,20 @@ def test_a_generative_model_returning_a_dict_is_held_to_the_limits_too(client):
     """decode_request of the contract before 2026-12-07 returns a GenerateRequest-shaped dict: still within [limits]."""
     resp = client.simulate_post("/v1/models/dictlm/predict", json={"prompt": "a", "stop": ["x", "y", "z"]})
     assert resp.status_code == 400 and resp.json["error"]["field"] == "stop", resp.text
+
+
+def test_a_tokenizer_that_does_not_load_is_a_500_naming_why(client):
+    """This app's models have no tokenizer in their folder: /tokenize and /detokenize answer a server error in
+    OpenAI's shape that says why, after a bad body's own 400 and an unknown model's 404."""
+    for path, body in (("/tokenize", {"model": "lm", "prompt": "hi"}), ("/detokenize", {"model": "lm", "tokens": [1]})):
+        resp = client.simulate_post(path, json=body)
+        assert resp.status_code == 500, resp.text
+        error = resp.json["error"]
+        assert (error["type"], error["code"]) == ("server_error", "tokenizer_unavailable"), error
+        assert "does not load" in error["message"], error
+    resp = client.simulate_post("/tokenize", json={"model": "lm", "prompt": "hi", "chat_template_kwargs": {"a": 1}})
+    assert resp.status_code == 400 and resp.json["error"]["param"] == "chat_template_kwargs", resp.text
+    resp = client.simulate_post("/tokenize", json={"prompt": "hi"})  # two generative models: which one?
+    assert resp.status_code == 400 and resp.json["error"]["param"] == "model", resp.text
+    resp = client.simulate_post("/detokenize", json={"model": "nope", "tokens": [1]})
+    assert resp.status_code == 404 and resp.json["error"]["param"] == "model", resp.text

@@ -44,8 +44,8 @@ class _TokenizerRoute:
         self.max_body_bytes = max_body_bytes
         self.limits = limits
 
-    async def tokenizer(self, name: str | None) -> ModelTokenizer:
-        """The model's tokenizer, loaded (off the event loop the first time); ``name`` None: the one model's."""
+    def model(self, name: str | None) -> ModelTokenizer:
+        """The model's tokenizer, maybe not loaded yet; ``name`` None: the one model's."""
         if name is None:
             if len(self.tokenizers) != 1:
                 raise BadRequest("`model` is required: this deployment serves several generative models",
@@ -56,6 +56,11 @@ class _TokenizerRoute:
             if tokenizer is None:
                 raise RequestError(404, "model_not_found", f"no generative model named {name!r}; see GET /v1/models",
                                    "model")  # fmt: skip
+        return tokenizer
+
+    @staticmethod
+    async def loaded(tokenizer: ModelTokenizer) -> ModelTokenizer:
+        """``tokenizer``, loaded (off the event loop the first time)."""
         if tokenizer.tokenizer is None and await asyncio.to_thread(tokenizer.load) is None:
             raise RequestError(500, "tokenizer_unavailable", f"the model's tokenizer does not load: {tokenizer.failed}")
         return tokenizer
@@ -76,7 +81,7 @@ class _TokenizerRoute:
 class TokenizeResource(_TokenizerRoute):
     async def answer(self, body: Any) -> TokenizeResponse:
         request = decode_body(body, TokenizeRequest)
-        tokenizer = await self.tokenizer(request.model)
+        tokenizer = self.model(request.model)
         for name in ("continue_final_message", "chat_template", "chat_template_kwargs"):  # vLLM's, not ours
             if getattr(request, name):
                 raise BadRequest(f"`{name}` is not supported by this server", field=name)
@@ -90,6 +95,7 @@ class TokenizeResource(_TokenizerRoute):
         if tools is not None:
             tool_calls.check_tools(tools)
         messages = None if request.messages is None else openai_params.chat_messages(request.messages)
+        tokenizer = await self.loaded(tokenizer)
         # off the event loop: a body of max_body_bytes takes the tokenizer a while, and the worker's other
         # connections must not wait for it
         return await asyncio.to_thread(self._tokenize, tokenizer, request, messages, tools)
@@ -113,7 +119,7 @@ class TokenizeResource(_TokenizerRoute):
 class DetokenizeResource(_TokenizerRoute):
     async def answer(self, body: Any) -> DetokenizeResponse:
         request = decode_body(body, DetokenizeRequest)
-        tokenizer = await self.tokenizer(request.model)
+        tokenizer = await self.loaded(self.model(request.model))
         vocab = len(tokenizer.tokenizer)
         if any(t >= vocab for t in request.tokens):
             raise BadRequest(f"a token id past the vocabulary ({vocab} tokens)", field="tokens")
